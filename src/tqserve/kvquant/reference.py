@@ -1,0 +1,144 @@
+"""Pure-torch encode / decode of one K or V vector per token and KV head: the ground truth the
+GPU store and attention kernels must reproduce bit for bit (indices) and to rounding (floats).
+
+Every function works on x [..., d] and treats each row (one token, one KV head) on its own.
+
+TurboQuant MSE (`tq_encode`): n = ||x||, u = x / n, y = R u, idx_j = #{boundaries < y_j} over the
+Lloyd-Max N(0,1) boundaries scaled 1/sqrt(d); decode x_hat = scale * R^T c[idx] with c the
+centroids scaled 1/sqrt(d). The stored fp16 scale depends on the scale mode:
+  plain     scale = n                       (MSE-only; shrinks <x, x_hat> by about 1 - D)
+  nc        scale = n / ||c[idx]||          (vLLM's norm correction: ||x_hat|| = ||x||)
+  unbiased  scale = n / <y, c[idx]>         (tqserve: <x, x_hat> = ||x||^2 exactly, so scores with
+                                             queries along x are not shrunk)
+fp8 with scale: scale = amax / 448 (fp16), q = e4m3(x / scale). fp8 cast: q = e4m3(clamp(x)).
+Min-max (vLLM's values): zero = min, scale = (max - min) / (2^b - 1), both fp16,
+idx = floor((x - zero) / scale + 0.5) clamped to [0, 2^b - 1]; decode zero + idx * scale.
+Scales are rounded to fp16 *before* quantizing, so the encoder sees what the decoder will use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tqserve.kvquant.codebooks import gaussian_codebook
+from tqserve.kvquant.packing import pack_bits, unpack_bits
+from tqserve.kvquant.rotation import Rotation
+
+FP8_MAX = 448.0
+FP16_MAX = 65504.0
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_MODES = ("plain", "nc", "unbiased")
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+
+
+def tq_codebook(
+    bits: int, head_dim: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids [2^b], boundaries [2^b - 1]) float32 for unit vectors of size head_dim."""
+    c, b = gaussian_codebook(bits).scaled(head_dim)
+    return c.to(device), b.to(device)
+
+
+def tq_quantize_rotated(y: torch.Tensor, bits: int) -> torch.Tensor:
+    """Nearest-centroid indices of rotated unit vectors y [..., d] (int64)."""
+    _, bounds = tq_codebook(bits, y.shape[-1], y.device)
+    return torch.bucketize(
+        y.float().contiguous(), bounds
+    )  # = number of boundaries strictly below y
+
+
+def tq_encode(
+    x: torch.Tensor, rotation: Rotation, bits: int, scale_mode: str = "nc"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (packed indices uint8 [..., d*bits/8], scale fp16 [...])."""
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    x = x.float()
+    n = x.norm(dim=-1)
+    y = rotation.forward(x / n.clamp_min(1e-30).unsqueeze(-1))
+    idx = tq_quantize_rotated(y, bits)
+    if scale_mode == "plain":
+        scale = n
+    else:
+        cents, _ = tq_codebook(bits, x.shape[-1], x.device)
+        c = cents[idx]
+        if scale_mode == "nc":
+            scale = n / c.norm(dim=-1).clamp_min(1e-30)
+        else:
+            scale = n / (y * c).sum(-1).clamp_min(1e-30)
+    return pack_bits(idx, bits), _fp16(scale)
+
+
+def tq_decode_rotated(
+    packed: torch.Tensor, scale: torch.Tensor, bits: int, head_dim: int
+) -> torch.Tensor:
+    """scale * c[idx]: the reconstruction in the rotated space (what the kernels accumulate), float32."""
+    cents, _ = tq_codebook(bits, head_dim, packed.device)
+    return cents[unpack_bits(packed, bits, head_dim)] * scale.float().unsqueeze(-1)
+
+
+def tq_decode(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    rotation: Rotation,
+    bits: int,
+    head_dim: int,
+) -> torch.Tensor:
+    return rotation.inverse(tq_decode_rotated(packed, scale, bits, head_dim))
+
+
+def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row scaled e4m3: (q float8_e4m3fn [..., d], scale fp16 [...])."""
+    x = x.float()
+    scale = _fp16((x.abs().amax(-1) / FP8_MAX).clamp_min(2.0**-24))
+    q = (x / scale.float().unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def fp8_decode(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().unsqueeze(-1)
+
+
+def fp8_cast(x: torch.Tensor) -> torch.Tensor:
+    """Plain e4m3 cast without scale (vLLM's k8v4 keys); saturates at +-448."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def minmax_encode(
+    x: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row uniform b-bit: (packed uint8 [..., d*bits/8], scale fp16 [...], zero fp16 [...])."""
+    x = x.float()
+    levels = (1 << bits) - 1
+    lo, hi = x.amin(-1), x.amax(-1)
+    zero = _fp16(lo)
+    scale = _fp16(((hi - zero.float()) / levels).clamp_min(2.0**-24))
+    t = (x - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)
+    idx = torch.floor(t + 0.5).clamp(0, levels).long()
+    return pack_bits(idx, bits), scale, zero
+
+
+def minmax_decode(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    head_dim: int,
+) -> torch.Tensor:
+    idx = unpack_bits(packed, bits, head_dim).float()
+    return zero.float().unsqueeze(-1) + idx * scale.float().unsqueeze(-1)
+
+
+def theory_inner_product_ratio(distortion: float, scale_mode: str) -> float:
+    """Expected <x, x_hat> / ||x||^2 of tq_encode for a codebook of distortion D: with conditional-mean
+    centroids <y, c> ~ ||c||^2 ~ 1 - D, so plain gives 1 - D, nc sqrt(1 - D), unbiased exactly 1."""
+    return {
+        "plain": 1.0 - distortion,
+        "nc": math.sqrt(1.0 - distortion),
+        "unbiased": 1.0,
+    }[scale_mode]
