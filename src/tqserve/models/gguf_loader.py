@@ -1,0 +1,128 @@
+"""Load a GGUF file: config and tokenizer (with chat template) from its metadata through
+transformers, weights dequantized at load and renamed to HF names.
+
+llama.cpp's converter permutes the rows of q and k for the `llama` architecture so that its
+rotary kernel can rotate adjacent pairs; the HF layout (and ours) rotates the two halves of each
+head, so those rows are permuted back here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from tqdm import tqdm
+
+from tqserve.models.gguf_quants import dequantize
+
+# GGUF general.architecture -> HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Architectures whose q/k rows llama.cpp permuted at conversion.
+_PERMUTED_QK = {"llama"}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """GGUF tensor name -> HF checkpoint name; None for tensors with no HF counterpart."""
+    m = _LAYER_RE.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise KeyError(f"unknown GGUF tensor {name!r}")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = name.rpartition(".")
+    if base == "rope_freqs":
+        return None  # read separately into the rope config
+    if base not in _GLOBAL_NAMES:
+        raise KeyError(f"unknown GGUF tensor {name!r}")
+    return f"{_GLOBAL_NAMES[base]}.{kind}"
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation. Within each head llama.cpp stores the rows as
+    interleaved pairs (row 2i, 2i+1 = HF rows i, i + d/2); this restores halves order."""
+    rest = w.shape[1:]
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _tensor(t, device) -> torch.Tensor:
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGML lists ne0 (innermost) first
+    return dequantize(np.asarray(t.data), t.tensor_type, shape, device)
+
+
+def load_gguf_config(path: str, reader: GGUFReader):
+    from transformers import AutoConfig
+
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
+    directory, filename = os.path.split(os.path.abspath(path))
+    cfg = AutoConfig.from_pretrained(directory, gguf_file=filename)
+    cfg.architectures = [GGUF_ARCHITECTURES[arch]]
+    names = {t.name for t in reader.tensors}
+    cfg.tie_word_embeddings = "output.weight" not in names
+    rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope is not None:
+        theta = cfg.rope_parameters.get("rope_theta") if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+        factors = [float(x) for x in np.asarray(rope.data, dtype=np.float32).reshape(-1)]  # stored as F32
+        cfg.rope_parameters = {"rope_type": "freq_factors", "rope_theta": theta, "factors": factors}
+    return cfg
+
+
+def load_gguf_tokenizer(path: str, reader: GGUFReader):
+    from tqserve.tokenizer import Tokenizer
+
+    directory, filename = os.path.split(os.path.abspath(path))
+    # llama.cpp's end-of-turn tokens (Llama 3's <|eot_id|>, ...) also end a request.
+    extra = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    return Tokenizer.from_pretrained(
+        directory, gguf_file=filename, extra_stop_token_ids=[e for e in extra if e is not None]
+    )
+
+
+def iter_gguf_weights(reader: GGUFReader, hf_config, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every weight of the file, with a progress bar."""
+    arch = _field(reader, "general.architecture")
+    for t in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        w = _tensor(t, device)
+        if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_qk(w, hf_config.num_attention_heads)
+        elif arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_qk(w, hf_config.num_key_value_heads)
+        yield name, w
