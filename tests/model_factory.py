@@ -46,18 +46,18 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     Qwen2 and Qwen3 tie them; Qwen3 has head_dim != hidden_size / heads."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-    )
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": vocab_size - 2,
+        "eos_token_id": vocab_size - 1,
+    }
     if arch == "llama":
         cfg = dict(
             common,

@@ -113,10 +113,9 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self.prefix_offset :])
         if not final and new_text.endswith(_REPLACEMENT):
             return ""
-        if len(new_text) <= len(prefix_text) or not new_text.startswith(prefix_text):
-            # The window decoded inconsistently (or produced nothing yet): hold back unless final.
-            if not final:
-                return ""
+        consistent = len(new_text) > len(prefix_text) and new_text.startswith(prefix_text)
+        if not final and not consistent:
+            return ""  # nothing new yet, or the window decoded inconsistently: wait for more tokens
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta

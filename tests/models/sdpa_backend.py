@@ -6,6 +6,8 @@ the model-vs-transformers tests need. With `meta=None` the step is one request.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -17,7 +19,7 @@ class PrefillSDPABackend(AttentionBackend):
         bounds = [0, q.shape[0]] if meta is None else meta.query_start_loc_cpu
         groups = q.shape[1] // k.shape[1]
         outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in itertools.pairwise(bounds):
             qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, t, d]
             ki, vi = ki.repeat_interleave(groups, 0), vi.repeat_interleave(groups, 0)
             outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1))

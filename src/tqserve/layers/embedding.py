@@ -20,11 +20,7 @@ class LMHead(nn.Module):
     """Logits in float32. With `tied` the weight is the embedding's own Parameter (one copy in memory)."""
 
     def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        dtype: torch.dtype | None = None,
-        tied: VocabEmbedding | None = None,
+        self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, tied: VocabEmbedding | None = None
     ):
         super().__init__()
         if tied is not None:

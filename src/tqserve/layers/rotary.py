@@ -37,7 +37,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
     and the band between them interpolated smoothly."""
     factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    low, high = (scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0))
     old_len = scaling.get("original_max_position_embeddings", 8192)
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
@@ -50,12 +50,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        theta: float,
-        scaling: dict | None = None,
-        rotary_dim: int | None = None,
+        self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None, rotary_dim: int | None = None
     ):
         super().__init__()
         self.head_dim = head_dim

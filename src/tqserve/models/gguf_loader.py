@@ -20,19 +20,11 @@ from tqdm import tqdm
 from tqserve.models.gguf_quants import dequantize
 
 # GGUF general.architecture -> HF architecture name.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Architectures whose q/k rows llama.cpp permuted at conversion.
 _PERMUTED_QK = {"llama"}
 
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",

@@ -184,8 +184,7 @@ class LlamaForCausalLM(nn.Module):
             return None  # precomputed inv_freq buffers in old checkpoints
         if name.startswith("lm_head.") and self.tie_word_embeddings:
             return None  # tied: the embedding is the head
-        if name.startswith("model."):
-            name = name[len("model.") :]
+        name = name.removeprefix("model.")
         module_name, _, param_name = name.rpartition(".")
         prefix, _, proj = module_name.rpartition(".")
         if proj in _FUSED_SHARDS:
@@ -196,8 +195,7 @@ class LlamaForCausalLM(nn.Module):
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
         for full in params:
-            module_name, _, param_name = full.rpartition(".")
-            module = self.get_submodule(module_name)
+            module = self.get_submodule(full.rpartition(".")[0])
             if isinstance(module, MergedLinear):
                 needed = [f"{full}#{i}" for i in range(len(module.out_sizes))]
                 missing += [n for n in needed if n not in loaded]

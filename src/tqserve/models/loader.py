@@ -35,7 +35,7 @@ def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     handles = [safe_open(f, framework="pt", device="cpu") for f in files]
-    names = [(h, n) for h in handles for n in h.keys()]
+    names = [(h, n) for h in handles for n in h.keys()]  # noqa: SIM118 (safe_open is not iterable)
     for handle, name in tqdm(names, desc="Loading weights", unit="tensor", leave=False):
         yield name, handle.get_tensor(name)
 
