@@ -1,0 +1,188 @@
+"""Pure-torch paged attention: the executable definition every kernel is tested against.
+
+Works on CPU and GPU. Loops over requests using the host lists the input-batch builder put in the
+metadata (no device read-back). For presets with exact copies, key p of a query at position q is
+read exact iff `p < sink` or `q - p < window`, otherwise decoded from the page; the current step's
+own keys are exact copies straight from k/v (they are what the ring is about to hold).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqserve.attention.backend import AttentionBackend, AttentionMetadata
+from tqserve.kvquant.base import LayerKVFormat
+
+
+class KVCacheStore:
+    """Pages and exact-copy buffers of every attention layer, allocated once at startup."""
+
+    def __init__(
+        self,
+        formats: list[LayerKVFormat],
+        num_blocks: int,
+        block_size: int,
+        num_seq_slots: int,
+        num_sink_slots: int,
+        device: torch.device,
+    ) -> None:
+        self.formats = formats
+        self.block_size = block_size
+        self.pages = [f.allocate(num_blocks, block_size, device) for f in formats]
+        self.ring: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.sinks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for f in formats:
+            shape = (f.num_kv_heads, f.head_dim)
+            if f.window:
+                ring = (num_seq_slots, shape[0], f.window, shape[1])
+                self.ring.append(_zeros_pair(ring, f.model_dtype, device))
+            else:
+                self.ring.append(None)
+            if f.sink:
+                sink = (num_sink_slots, shape[0], f.sink, shape[1])
+                self.sinks.append(_zeros_pair(sink, f.model_dtype, device))
+            else:
+                self.sinks.append(None)
+
+    def exact_bytes(self) -> int:
+        total = 0
+        for bufs in (*self.ring, *self.sinks):
+            if bufs is not None:
+                total += sum(t.numel() * t.element_size() for t in bufs)
+        return total
+
+    def refresh_exact(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Copy this step's K/V into the ring (entry pos % W) and, for positions < S, the sinks.
+        Runs after attention so the ring still held the previous positions while it was read."""
+        f = self.formats[layer]
+        if not (f.window or f.sink):
+            return
+        pos = meta.positions[: meta.num_tokens]
+        req_of_token = _request_index(meta)
+        if f.window:
+            rk, rv = self.ring[layer]
+            # Only the last W tokens of each request are kept; the others would collide on the same
+            # entries (a scatter with duplicate indices has no defined winner), so they are sent to
+            # the null slot 0.
+            last = pos >= meta.seq_lens[req_of_token] - f.window
+            slot = torch.where(last, meta.seq_slots[req_of_token], 0).long()
+            rk[slot, :, pos % f.window] = k.to(rk.dtype)
+            rv[slot, :, pos % f.window] = v.to(rv.dtype)
+        if f.sink:
+            sk, sv = self.sinks[layer]
+            sslot = meta.sink_slots[req_of_token].long()
+            # Tokens at positions >= S (and requests without a sink slot) go to null entry 0.
+            is_sink = pos < f.sink
+            sslot = torch.where(is_sink, sslot, torch.zeros_like(sslot))
+            spos = torch.where(is_sink, pos, torch.zeros_like(pos))
+            sk[sslot, :, spos] = k.to(sk.dtype)
+            sv[sslot, :, spos] = v.to(sv.dtype)
+
+
+def _zeros_pair(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _request_index(meta: AttentionMetadata) -> torch.Tensor:
+    """Request index of each token (computed on the device once per step, cached in meta.extra)."""
+    cached = meta.extra.get("req_of_token")
+    if cached is None:
+        qsl = meta.query_start_loc
+        t = torch.arange(meta.num_tokens, device=qsl.device)
+        cached = torch.searchsorted(qsl[1 : meta.num_reqs + 1].contiguous(), t, right=True)
+        meta.extra["req_of_token"] = cached
+    return cached
+
+
+class ReferenceBackend(AttentionBackend):
+    def __init__(self, store: KVCacheStore) -> None:
+        self.store = store
+
+    def forward(self, layer_idx, q, k, v, meta, scale):
+        store = self.store
+        fmt = store.formats[layer_idx]
+        pages = store.pages[layer_idx]
+        fmt.write(pages, k, v, meta.slot_mapping[: meta.num_tokens])
+        out = torch.empty_like(q)
+        bs = store.block_size
+        hq, hkv = q.shape[1], k.shape[1]
+        group = hq // hkv
+        for i in range(meta.num_reqs):
+            qs, qe = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            seq_len = meta.seq_lens_cpu[i]
+            qlen = qe - qs
+            start = seq_len - qlen
+            table = meta.block_tables[i]
+            key_pos = torch.arange(seq_len, device=q.device)
+            slots = table[key_pos // bs].long() * bs + key_pos % bs
+            kq, vq = fmt.read(pages, slots)  # [L, Hkv, d] float32, decoded pages
+            q_pos = torch.arange(start, seq_len, device=q.device)
+            if fmt.window or fmt.sink:
+                ke, ve, has_exact = self._exact_keys(layer_idx, i, meta, k[qs:qe], v[qs:qe], start, seq_len)
+                # exact[qi, p]: key p read exact for query qi
+                rel = q_pos[:, None] - key_pos[None, :]
+                exact = has_exact[None, :] & ((key_pos[None, :] < fmt.sink) | (rel < fmt.window))
+                out[qs:qe] = _attend_mixed(q[qs:qe].float(), kq, vq, ke, ve, exact, q_pos, key_pos, scale, group)
+            else:
+                out[qs:qe] = _attend(q[qs:qe].float(), kq, vq, q_pos, key_pos, scale, group).to(q.dtype)
+        store.refresh_exact(layer_idx, k, v, meta)
+        return out
+
+    def _exact_keys(self, layer, i, meta, k_new, v_new, start, seq_len):
+        """Exact K/V for every key position of request i where an exact copy exists."""
+        f = self.store.formats[layer]
+        hkv, d = k_new.shape[1], k_new.shape[2]
+        dev = k_new.device
+        ke = torch.zeros(seq_len, hkv, d, device=dev)
+        ve = torch.zeros(seq_len, hkv, d, device=dev)
+        has = torch.zeros(seq_len, dtype=torch.bool, device=dev)
+        if f.sink:
+            sk, sv = self.store.sinks[layer]
+            slot = meta.sink_slots_cpu[i]
+            n = min(f.sink, start)
+            ke[:n] = sk[slot, :, :n].transpose(0, 1).float()
+            ve[:n] = sv[slot, :, :n].transpose(0, 1).float()
+            has[:n] = True
+        if f.window:
+            rk, rv = self.store.ring[layer]
+            slot = meta.seq_slots_cpu[i]
+            lo = max(0, start - f.window)
+            p = torch.arange(lo, start, device=dev)
+            ke[lo:start] = rk[slot, :, p % f.window].float()
+            ve[lo:start] = rv[slot, :, p % f.window].float()
+            has[lo:start] = True
+        ke[start:] = k_new.float()
+        ve[start:] = v_new.float()
+        has[start:] = True
+        return ke, ve, has
+
+
+def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    # q [Lq, Hq, d], keys [L, Hkv, d] -> [Hq, Lq, L]
+    keys = keys.repeat_interleave(group, dim=1)
+    return torch.einsum("qhd,khd->hqk", q, keys) * scale
+
+
+def _softmax_out(s, vals, q_pos, key_pos, group):
+    mask = key_pos[None, :] > q_pos[:, None]
+    s = s.masked_fill(mask[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    vals = vals.repeat_interleave(group, dim=1)
+    return torch.einsum("hqk,khd->qhd", p, vals)
+
+
+def _attend(q, k, v, q_pos, key_pos, scale, group):
+    return _softmax_out(_scores(q, k, scale, group), v, q_pos, key_pos, group)
+
+
+def _attend_mixed(q, kq, vq, ke, ve, exact, q_pos, key_pos, scale, group):
+    """Scores and values chosen per (query, key) between the decoded page and the exact copy."""
+    s = torch.where(exact[None], _scores(q, ke, scale, group), _scores(q, kq, scale, group))
+    mask = key_pos[None, :] > q_pos[:, None]
+    s = s.masked_fill(mask[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    pe = torch.where(exact[None], p, torch.zeros_like(p))
+    pq = p - pe
+    out = torch.einsum("hqk,khd->qhd", pe, ve.repeat_interleave(group, dim=1))
+    out += torch.einsum("hqk,khd->qhd", pq, vq.repeat_interleave(group, dim=1))
+    return out.to(q.dtype)

@@ -1,0 +1,66 @@
+"""Engine arguments with vLLM's names, validated once; everything else derives from them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct, GGUF)
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto: cuda when available
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip_layers: list[int] = field(default_factory=list)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # CPU: KV pool size (default 256 MiB)
+    num_gpu_blocks_override: int | None = None
+    attention_backend: str = "auto"  # auto | reference | triton
+    mamba_checkpoint_interval: int = 512  # hybrid models: tokens between prefill state checkpoints
+    num_state_checkpoints: int | None = None  # hybrid models: checkpoint slots (default 2*max_num_seqs)
+    chat_template: str | None = None
+    served_model_name: str | None = None
+    disable_log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.mamba_checkpoint_interval % self.block_size:
+            raise ValueError(
+                f"mamba_checkpoint_interval ({self.mamba_checkpoint_interval}) must be a multiple of "
+                f"block_size ({self.block_size})"
+            )
+        if self.attention_backend not in ("auto", "reference", "triton"):
+            raise ValueError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
+        return cls(**kwargs)

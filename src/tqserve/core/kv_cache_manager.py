@@ -1,0 +1,197 @@
+"""Pages, sequence slots, sink slots and state checkpoints of every request. No torch.
+
+- Pages: a request's block table grows as it computes; full blocks are registered under a chained
+  hash of their tokens (seeded with the model/KV configuration) so later requests can share them.
+- Sequence slots (1..max_num_seqs; 0 is null): index the per-request exact-window ring of TurboQuant
+  presets and the recurrent state of GDN layers.
+- Sink slots: exact copies of the first S tokens, tied to the physical first page, so requests
+  sharing page 0 share the sinks and a hit on page 0 always finds them.
+- State checkpoints (hybrid models): the recurrent state after exactly k*block_size tokens, keyed by
+  the hash of the block ending there, with their own LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tqserve.core.block_pool import BlockPool
+from tqserve.request import Request
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    enable_prefix_caching: bool = True
+    sink: int = 0  # exact sink tokens of the KV preset (0: none)
+    window: int = 0  # exact recent window of the KV preset (0: none)
+    has_state: bool = False  # hybrid model: GDN states live in slots
+    num_checkpoint_slots: int = 0
+    checkpoint_interval: int = 0  # tokens between prefill checkpoints (multiple of block_size)
+    cache_salt: int = 0  # hash of model + KV configuration
+
+
+class KVCacheManager:
+    def __init__(self, layout: CacheLayout) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.pool = BlockPool(layout.num_blocks, on_evict=self._on_page_evicted)
+        self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[int]] = {}
+        self.seq_slot: dict[str, int] = {}
+        self.free_seq_slots = list(range(layout.max_num_seqs, 0, -1))
+        # Sinks: one slot per distinct live first page; cached-free first pages keep theirs in an LRU.
+        self.sink_of_page: dict[int, int] = {}
+        self.free_sink_slots = list(range(2 * layout.max_num_seqs + 1, 0, -1)) if layout.sink else []
+        # Checkpoints: block hash -> slot, LRU order; slots are numbered after the sequence slots.
+        first = layout.max_num_seqs + 1
+        self.free_ckpt_slots = list(range(first + layout.num_checkpoint_slots - 1, first - 1, -1))
+        self.ckpt: OrderedDict[int, int] = OrderedDict()
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- hashing -------------------------------------------------------------------------
+    def _hash_blocks(self, request: Request, upto: int) -> list[int]:
+        """Chained hashes of the request's full blocks covering tokens [0, upto)."""
+        hashes = self.block_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        if (len(hashes) + 1) * bs > upto:
+            return hashes
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= upto:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else self.layout.cache_salt
+            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+        return hashes
+
+    # ---- admission -----------------------------------------------------------------------
+    def lookup_prefix(self, request: Request) -> tuple[list[int], int, int, int | None]:
+        """Find cached pages for the request's prefix.
+
+        Returns (pages, num_hit_tokens, resume_at, checkpoint_slot): the pages to share, how many
+        tokens they cover, where computation resumes (earlier than the hit when exact copies or a
+        state must be rebuilt) and the state checkpoint to restore (hybrid models)."""
+        lay = self.layout
+        if not lay.enable_prefix_caching:
+            return [], 0, 0, None
+        # At least the last prompt token is always computed: its logits start generation.
+        hashes = self._hash_blocks(request, request.num_tokens - 1)
+        pages: list[int] = []
+        for h in hashes:
+            page = self.pool.lookup(h)
+            if page is None:
+                break
+            pages.append(page)
+        hit = len(pages) * self.block_size
+        resume, ckpt = hit, None
+        if lay.has_state:
+            resume, ckpt = 0, None
+            for i in range(len(pages), 0, -1):
+                slot = self.ckpt.get(hashes[i - 1])
+                if slot is not None:
+                    resume, ckpt = i * self.block_size, slot
+                    self.ckpt.move_to_end(hashes[i - 1])
+                    break
+        if lay.window:
+            resume = min(resume, hit - lay.window)
+        if resume <= lay.sink or resume <= 0:
+            # Recomputing would reach the shared sinks (or there is nothing to resume from).
+            return [], 0, 0, None
+        if lay.has_state and ckpt is None:
+            return [], 0, 0, None
+        return pages, hit, resume, ckpt
+
+    def admit(self, request: Request, pages: list[int], num_hit: int) -> bool:
+        """Give a waiting request its sequence slot and shared pages. False if no slot is free."""
+        if not self.free_seq_slots:
+            return False
+        self.seq_slot[request.request_id] = self.free_seq_slots.pop()
+        for p in pages:
+            self.pool.touch(p)
+        self.block_tables[request.request_id] = list(pages)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_hit
+        return True
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for tokens up to num_computed + num_new. False when pages run out."""
+        table = self.block_tables[request.request_id]
+        need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        fresh_first = not table
+        if fresh_first and self.layout.sink and not self._reserve_sink():
+            return False
+        table.extend(self.pool.allocate(need))
+        if fresh_first and self.layout.sink:
+            self.sink_of_page[table[0]] = self.free_sink_slots.pop()
+        return True
+
+    def _reserve_sink(self) -> bool:
+        if self.free_sink_slots:
+            return True
+        # Evict the sinks of the oldest free first page; that page can no longer be hit.
+        for page in self.pool.free:
+            if page in self.sink_of_page:
+                self.pool.uncache(page)
+                return bool(self.free_sink_slots)
+        return False
+
+    def _on_page_evicted(self, page: int) -> None:
+        slot = self.sink_of_page.pop(page, None)
+        if slot is not None:
+            self.free_sink_slots.append(slot)
+
+    # ---- after a step ---------------------------------------------------------------------
+    def cache_full_blocks(self, request: Request) -> None:
+        if not self.layout.enable_prefix_caching:
+            return
+        table = self.block_tables[request.request_id]
+        hashes = self._hash_blocks(request, request.num_computed_tokens)
+        for page, h in zip(table, hashes):
+            self.pool.register(page, h)
+
+    def checkpoint_slot_for(self, request: Request, n: int, prefill: bool) -> int | None:
+        """A checkpoint slot to save the request's state into, or None. Prefill chunks end on the
+        boundaries the scheduler chose (every checkpoint_interval tokens and the prompt's last full
+        block); decode saves only every checkpoint_interval tokens to bound the copy traffic.
+        `n` is the request's computed length once the step has run."""
+        if not (self.layout.has_state and self.layout.enable_prefix_caching) or n == 0 or n % self.block_size:
+            return None
+        if not prefill and n % self.layout.checkpoint_interval:
+            return None
+        if not self.layout.num_checkpoint_slots:
+            return None
+        h = self._hash_blocks(request, n)[n // self.block_size - 1]
+        if h in self.ckpt:
+            self.ckpt.move_to_end(h)
+            return None
+        if self.free_ckpt_slots:
+            slot = self.free_ckpt_slots.pop()
+        else:
+            _, slot = self.ckpt.popitem(last=False)
+        self.ckpt[h] = slot
+        return slot
+
+    # ---- release --------------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        rid = request.request_id
+        table = self.block_tables.pop(rid, [])
+        self.pool.release(list(reversed(table)))
+        slot = self.seq_slot.pop(rid, None)
+        if slot is not None:
+            self.free_seq_slots.append(slot)
+        self.block_hashes.pop(rid, None)
+
+    # ---- views for the runner ---------------------------------------------------------------
+    def sink_slot(self, request_id: str) -> int:
+        table = self.block_tables.get(request_id)
+        return self.sink_of_page.get(table[0], 0) if table else 0
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage

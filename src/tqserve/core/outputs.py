@@ -1,0 +1,42 @@
+"""What the scheduler hands the runner and what comes back: ints and lists only (invariant 6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
+    block_table: list[int]
+    seq_slot: int
+    sink_slot: int
+    num_page_tokens_cached: int  # positions below this skip page writes (shared pages)
+    sample: bool  # the step reaches the end of the known tokens: sample the next one
+    want_prompt_logprobs: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    num_tokens: int = 0
+    # Hybrid models: copy checkpoint slot -> sequence slot before the forward (prefix hit),
+    # zero these sequence slots before the forward (fresh start), and copy sequence slot ->
+    # checkpoint slot after it.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class RunnerOutput:
+    # request id -> sampled token (only requests with sample=True)
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, object] = field(default_factory=dict)
+    prompt_logprobs: dict[str, object] = field(default_factory=dict)

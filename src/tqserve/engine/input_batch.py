@@ -1,0 +1,176 @@
+"""The host/device boundary (invariant 2): Python lists from the scheduler become device tensors here,
+through pinned host buffers and non-blocking copies into persistent device buffers sized at
+startup (invariant 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tqserve.attention.backend import AttentionMetadata
+from tqserve.core.outputs import SchedulerOutput
+from tqserve.engine.sampler import SamplingBatch
+from tqserve.request import Request
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    # Rows of the hidden states whose logits are sampled, one per request with sample=True.
+    sample_indices: torch.Tensor
+    sample_request_ids: list[str]
+    # Prompt-logprob rows: (request id, first flat row, number of rows, position of the first row).
+    prompt_rows: list[tuple[str, int, int, int]]
+
+
+class _Buffer:
+    """A pinned host tensor and its persistent device twin."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.host.numpy()
+        self.dev = torch.zeros(shape, dtype=dtype, device=device) if pin else self.host
+        self.pinned = pin
+
+    def upload(self, n: int) -> torch.Tensor:
+        if self.pinned:
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        return self.dev[:n]
+
+
+class InputBatchBuilder:
+    def __init__(
+        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)
+        self.positions = _Buffer((max_num_tokens,), torch.int64, device)
+        self.slot_mapping = _Buffer((max_num_tokens,), torch.int64, device)
+        self.query_start_loc = _Buffer((max_num_reqs + 1,), torch.int32, device)
+        self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)
+        self.seq_slots = _Buffer((max_num_reqs,), torch.int32, device)
+        self.sink_slots = _Buffer((max_num_reqs,), torch.int32, device)
+        self.block_tables = _Buffer((max_num_reqs, max_blocks_per_seq), torch.int32, device)
+        self.sample_idx = _Buffer((max_num_reqs,), torch.int64, device)
+
+    def build(self, sched: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        t = 0
+        qsl = [0]
+        seq_lens, seq_slots, sink_slots, tables, slot_map = [], [], [], [], []
+        sample_rows, sample_ids, prompt_rows_host = [], [], []
+        ids_np, pos_np, slot_np = self.input_ids.np, self.positions.np, self.slot_mapping.np
+        bt_np = self.block_tables.np
+        for i, s in enumerate(sched.requests):
+            n = len(s.token_ids)
+            pos = np.arange(s.start_pos, s.start_pos + n)
+            ids_np[t : t + n] = s.token_ids
+            pos_np[t : t + n] = pos
+            table = np.asarray(s.block_table, dtype=np.int64)
+            slots = table[pos // bs] * bs + pos % bs
+            slots[pos < s.num_page_tokens_cached] = -1  # shared pages already hold these tokens
+            slot_np[t : t + n] = slots
+            slot_map.extend(slots.tolist())
+            bt_np[i, : len(s.block_table)] = s.block_table
+            tables.append(s.block_table)
+            seq_lens.append(s.start_pos + n)
+            seq_slots.append(s.seq_slot)
+            sink_slots.append(s.sink_slot)
+            if s.sample:
+                sample_rows.append(t + n - 1)
+                sample_ids.append(s.request_id)
+            if s.want_prompt_logprobs:
+                prompt_rows_host.append((s.request_id, t, n, s.start_pos))
+            t += n
+            qsl.append(t)
+        r = len(sched.requests)
+        self.query_start_loc.np[: r + 1] = qsl
+        self.seq_lens.np[:r] = seq_lens
+        self.seq_slots.np[:r] = seq_slots
+        self.sink_slots.np[:r] = sink_slots
+        self.sample_idx.np[: len(sample_rows)] = sample_rows
+        meta = AttentionMetadata(
+            num_reqs=r,
+            num_tokens=t,
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(r)),
+            max_seq_len=max(seq_lens),
+            query_start_loc=self.query_start_loc.upload(r + 1),
+            seq_lens=self.seq_lens.upload(r),
+            block_tables=self.block_tables.upload(r),
+            slot_mapping=self.slot_mapping.upload(t),
+            positions=self.positions.upload(t),
+            seq_slots=self.seq_slots.upload(r),
+            sink_slots=self.sink_slots.upload(r),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            seq_slots_cpu=seq_slots,
+            sink_slots_cpu=sink_slots,
+            block_tables_cpu=tables,
+            slot_mapping_cpu=slot_map,
+        )
+        return StepInputs(
+            input_ids=self.input_ids.upload(t),
+            positions=meta.positions,
+            meta=meta,
+            sample_indices=self.sample_idx.upload(len(sample_rows)),
+            sample_request_ids=sample_ids,
+            prompt_rows=prompt_rows_host,
+        )
+
+
+def build_sampling_batch(
+    requests: list[Request], generators: list[torch.Generator | None], vocab_size: int, device: torch.device
+) -> tuple[SamplingBatch, list[int]]:
+    """Per-row sampling tensors for the requests sampled this step, and each row's logprob count
+    (-1: none)."""
+    params = [r.sampling_params for r in requests]
+    temperature = [0.0 if p.greedy else float(p.temperature) for p in params]
+    top_k = [p.top_k for p in params]
+    top_p = [float(p.top_p) for p in params]
+    min_p = [float(p.min_p) for p in params]
+    counts = [-1 if p.logprobs is None else p.logprobs for p in params]
+
+    def dev(values, dtype):
+        return torch.as_tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)
+
+    b = SamplingBatch(
+        temperature=dev(temperature, torch.float32),
+        top_k=dev(top_k, torch.int64),
+        top_p=dev(top_p, torch.float32),
+        min_p=dev(min_p, torch.float32),
+        all_greedy=all(t == 0.0 for t in temperature),
+        any_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p) or any(m > 0 for m in min_p),
+        generators=generators,
+        max_logprobs=max(counts),
+    )
+    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+        n = len(requests)
+        out_counts = np.zeros((n, vocab_size), dtype=np.float32)
+        seen = np.zeros((n, vocab_size), dtype=bool)
+        for i, r in enumerate(requests):
+            np.add.at(out_counts[i], np.asarray(r.output_token_ids, dtype=np.int64), 1.0)
+            seen[i, np.asarray(r.prompt_token_ids, dtype=np.int64)] = True
+            seen[i, np.asarray(r.output_token_ids, dtype=np.int64)] = True
+        b.presence = dev([float(p.presence_penalty) for p in params], torch.float32)
+        b.frequency = dev([float(p.frequency_penalty) for p in params], torch.float32)
+        b.repetition = dev([float(p.repetition_penalty) for p in params], torch.float32)
+        b.output_counts = torch.from_numpy(out_counts).to(device, non_blocking=True)
+        b.seen_mask = torch.from_numpy(seen).to(device, non_blocking=True)
+    ban_rows, ban_tokens = [], []
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if r.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            for tok in sorted(banned):
+                ban_rows.append(i)
+                ban_tokens.append(tok)
+    if ban_rows:
+        b.ban_rows = dev(ban_rows, torch.int64)
+        b.ban_tokens = dev(ban_tokens, torch.int64)
+    return b, counts

@@ -1,0 +1,225 @@
+"""add_request / step / abort: the synchronous engine every front end (offline LLM, server) drives."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tqserve.config import EngineArgs
+from tqserve.core.kv_cache_manager import CacheLayout, KVCacheManager
+from tqserve.core.scheduler import Scheduler, SchedulerConfig
+from tqserve.engine.memory import CapacityReport, page_bytes_per_token
+from tqserve.engine.model_runner import ModelRunner
+from tqserve.engine.output_processor import OutputProcessor, ParentState, SampleState
+from tqserve.outputs import CompletionOutput, RequestOutput
+from tqserve.request import Request, RequestStatus
+from tqserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _read_template(value: str) -> str:
+    """--chat-template takes a file path or the Jinja text itself, as in vLLM."""
+    import os
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from tqserve.models.loader import load_model
+
+        self.args = args
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        torch.manual_seed(args.seed)
+        t0 = time.monotonic()
+        model, hf_config, tokenizer = load_model(args.model, dtype, device)
+        self.tokenizer = tokenizer
+        if args.chat_template is not None:
+            tokenizer.hf.chat_template = _read_template(args.chat_template)
+        model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+        max_model_len = args.max_model_len or model_max
+        if args.max_num_batched_tokens is None:
+            default = 8192 if device.type == "cuda" else 2048
+            args.max_num_batched_tokens = default if args.enable_chunked_prefill else max(default, max_model_len)
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}) when chunked prefill is disabled"
+            )
+        self.model_config = ModelConfig(
+            model=args.model or "SmolLM2-135M-Instruct",
+            max_model_len=max_model_len,
+            vocab_size=int(hf_config.vocab_size),
+            dtype=dtype,
+            device=device,
+        )
+        self.runner = ModelRunner(args, model, hf_config, device, dtype, max_model_len)
+        r = self.runner
+        layout = CacheLayout(
+            num_blocks=r.num_blocks,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=args.enable_prefix_caching,
+            sink=r.sink,
+            window=r.window,
+            has_state=bool(r.state_specs),
+            num_checkpoint_slots=r.num_ckpt_slots,
+            checkpoint_interval=args.mamba_checkpoint_interval,
+            cache_salt=hash((self.model_config.model, args.kv_cache_dtype, str(dtype), tuple(args.kv_cache_dtype_skip_layers))),
+        )
+        self.kv = KVCacheManager(layout)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.enable_chunked_prefill),
+            self.kv,
+        )
+        self.processor = OutputProcessor(tokenizer)
+        self.eos_ids = frozenset(tokenizer.stop_token_ids)
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.load_seconds = time.monotonic() - t0
+        for line in self.capacity_report().lines():
+            logger.info(line)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        ids = list(prompt_token_ids)
+        self._validate(request_id, ids, params)
+        max_len = self.model_config.max_model_len
+        max_tokens = min(params.max_tokens or max_len, max_len - len(ids))
+        samples = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_params = params if params.n == 1 else params.clone_for_child(i)
+            req = Request(child_id, ids, child_params, max_tokens, self.eos_ids, parent_id=request_id, index=i)
+            detok = self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
+            samples.append(SampleState(req, detok, CompletionOutput(index=i)))
+        self.processor.add(ParentState(request_id, prompt, ids, samples))
+        for s in samples:
+            self.scheduler.add_request(s.request)
+
+    def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of the vocabulary [0, {vocab})")
+        if len(ids) >= self.model_config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len "
+                f"({self.model_config.max_model_len})"
+            )
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.args.max_num_seqs})")
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        outs = []
+        for pid in request_ids:
+            parent = self.processor.parents.get(pid)
+            if parent is None:
+                continue
+            for s in parent.samples:
+                self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ABORTED)
+                self.runner.free(s.request.request_id)
+            out = self.processor.abort(pid)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for s in sched.requests:
+            req = self.scheduler.requests[s.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if s.start_pos < req.num_prompt_tokens:
+                self.num_prompt_tokens += min(len(s.token_ids), req.num_prompt_tokens - s.start_pos)
+        result = self.runner.execute(sched, self.scheduler.requests)
+        changed = self.scheduler.update(sched, result)
+        now = time.monotonic()
+        for req in changed:
+            if req.request_id in result.sampled:
+                self.num_generation_tokens += 1
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                req.metrics.last_token_time = now
+        outs, stop_now = self.processor.process(changed, result.logprobs, result.prompt_logprobs)
+        for rid in stop_now:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        for req in changed:
+            if req.status.finished or req.request_id in stop_now:
+                self.runner.free(req.request_id)
+        return outs
+
+    # ---- introspection ----------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_free_blocks": self.kv.pool.num_free,
+            "num_total_blocks": self.kv.pool.num_blocks - 1,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+        }
+
+    def capacity_report(self) -> CapacityReport:
+        r = self.runner
+        cap = (r.num_blocks - 1) * self.args.block_size
+        return CapacityReport(
+            num_blocks=r.num_blocks,
+            block_size=self.args.block_size,
+            page_bytes_per_token=page_bytes_per_token(r.formats),
+            exact_buffer_bytes=r.store.exact_bytes(),
+            state_bytes=r.state_bytes,
+            token_capacity=cap,
+            max_model_len=self.model_config.max_model_len,
+            max_concurrency=cap / self.model_config.max_model_len,
+        )

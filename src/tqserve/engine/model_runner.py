@@ -1,0 +1,185 @@
+"""Owns the model, the KV pages, the attention backend and the sampler; runs one SchedulerOutput."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tqserve.attention.reference import KVCacheStore, ReferenceBackend
+from tqserve.core.outputs import RunnerOutput, SchedulerOutput
+from tqserve.engine.input_batch import InputBatchBuilder, build_sampling_batch
+from tqserve.engine.memory import plan_num_blocks
+from tqserve.engine.sampler import Sampler, prompt_logprobs
+from tqserve.kvquant.base import ExactFormat, LayerKVFormat
+from tqserve.layers.attention import ForwardContext
+from tqserve.request import Request
+
+logger = logging.getLogger(__name__)
+
+_EXACT_PRESETS = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32")
+
+
+def make_formats(model, preset: str, skip_layers: list[int], dtype: torch.dtype) -> list[LayerKVFormat]:
+    specs = model.kv_layer_specs()
+    formats: list[LayerKVFormat] = []
+    for i, (hkv, d) in enumerate(specs):
+        name = "auto" if i in skip_layers else preset
+        if name in _EXACT_PRESETS:
+            formats.append(ExactFormat(hkv, d, dtype, i))
+        else:
+            from tqserve.kvquant.presets import make_layer_format
+
+            formats.append(make_layer_format(name, i, hkv, d, dtype))
+    return formats
+
+
+class ModelRunner:
+    def __init__(self, config, model, hf_config, device: torch.device, dtype: torch.dtype, max_model_len: int):
+        self.config = config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = int(getattr(hf_config, "vocab_size"))
+        self.max_num_tokens = config.max_num_batched_tokens
+        self.formats = make_formats(model, config.kv_cache_dtype, config.kv_cache_dtype_skip_layers, dtype)
+        self.sink = max((f.sink for f in self.formats), default=0)
+        self.window = max((f.window for f in self.formats), default=0)
+        self.state_specs = model.state_specs() if hasattr(model, "state_specs") else []
+        self.num_seq_slots = config.max_num_seqs + 1
+        self.num_ckpt_slots = (
+            (config.num_state_checkpoints or 2 * config.max_num_seqs) if self.state_specs and config.enable_prefix_caching else 0
+        )
+        self.state_pool = None
+        if self.state_specs:
+            from tqserve.ops.gdn.state_pool import StatePool
+
+            self.state_pool = StatePool(self.state_specs, self.num_seq_slots + self.num_ckpt_slots, device)
+        state_bytes = self.state_pool.total_bytes() if self.state_pool is not None else 0
+        reserved = self._profile_activation_bytes() if device.type == "cuda" else 0
+        self.num_blocks = plan_num_blocks(
+            self.formats,
+            config.block_size,
+            device,
+            config.gpu_memory_utilization,
+            config.kv_cache_memory_bytes,
+            config.num_gpu_blocks_override,
+            reserved + self._exact_bytes_estimate(),
+        )
+        self.store = KVCacheStore(
+            self.formats, self.num_blocks, config.block_size, self.num_seq_slots, 2 * config.max_num_seqs + 2, device
+        )
+        self.state_bytes = state_bytes
+        self.backend = self._make_backend()
+        max_blocks = -(-max_model_len // config.block_size)
+        self.builder = InputBatchBuilder(
+            self.max_num_tokens, config.max_num_seqs, max_blocks, config.block_size, device
+        )
+        self.sampler = Sampler(device, config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _make_backend(self):
+        choice = self.config.attention_backend
+        if choice == "auto":
+            choice = "triton" if self.device.type == "cuda" else "reference"
+        if choice == "triton":
+            try:
+                from tqserve.attention.triton_backend import TritonBackend
+            except ImportError as e:  # the kernel family is optional until it lands
+                logger.warning("Triton attention backend unavailable (%s); using the torch reference", e)
+                return ReferenceBackend(self.store)
+            return TritonBackend(self.store)
+        return ReferenceBackend(self.store)
+
+    def _exact_bytes_estimate(self) -> int:
+        total = 0
+        for f in self.formats:
+            per_tok = 2 * f.num_kv_heads * f.head_dim * torch.finfo(f.model_dtype).bits // 8
+            total += per_tok * (self.num_seq_slots * f.window + (2 * self.config.max_num_seqs + 2) * f.sink)
+        return total
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of the largest step (max_num_batched_tokens) beyond what is allocated now,
+        measured with a throw-away pool of a few pages."""
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        bs = self.config.block_size
+        n = self.max_num_tokens
+        blocks = -(-n // bs) + 1
+        store = KVCacheStore(self.formats, blocks, bs, self.num_seq_slots, 2 * self.config.max_num_seqs + 2, self.device)
+        saved, self.store = getattr(self, "store", None), store
+        backend = self._make_backend()
+        from tqserve.core.outputs import ScheduledRequest
+
+        sched = SchedulerOutput(
+            requests=[ScheduledRequest("profile", [0] * n, 0, list(range(1, blocks)), 1, 0, 0, True)], num_tokens=n
+        )
+        builder = InputBatchBuilder(n, 1, blocks, bs, self.device)
+        inputs = builder.build(sched)
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(backend, inputs.meta))
+            self.model.compute_logits(hidden[inputs.sample_indices])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.store = saved
+        del store, backend, hidden
+        torch.cuda.empty_cache()
+        return int(peak * 1.1) + (256 << 20)
+
+    def _ctx(self, backend, meta) -> ForwardContext:
+        ctx = ForwardContext(backend, meta)
+        ctx.state_pool = self.state_pool
+        return ctx
+
+    # ---- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
+        inputs = self.builder.build(sched)
+        if self.state_pool is not None and sched.state_restores:
+            src, dst = zip(*sched.state_restores)
+            self.state_pool.copy_slots(self._ids(src), self._ids(dst))
+        hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
+        if self.state_pool is not None and sched.state_saves:
+            src, dst = zip(*sched.state_saves)
+            self.state_pool.copy_slots(self._ids(src), self._ids(dst))
+        out = RunnerOutput()
+        if inputs.sample_request_ids:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            reqs = [requests[r] for r in inputs.sample_request_ids]
+            gens = [self._generator(r) for r in reqs]
+            batch, counts = build_sampling_batch(reqs, gens, self.vocab_size, self.device)
+            result = self.sampler(logits, batch, counts)
+            for rid, tok, lp in zip(inputs.sample_request_ids, result.token_ids, result.logprobs):
+                out.sampled[rid] = tok
+                if lp is not None:
+                    out.logprobs[rid] = lp
+        for rid, row, n, start_pos in inputs.prompt_rows:
+            req = requests[rid]
+            # Rows whose next token is a prompt token.
+            n = min(n, req.num_prompt_tokens - 1 - start_pos)
+            if n <= 0:
+                continue
+            nxt = torch.as_tensor(req.prompt_token_ids[start_pos + 1 : start_pos + 1 + n]).to(self.device)
+            sp = req.sampling_params
+            logits = self.model.compute_logits(hidden[row : row + n])
+            out.prompt_logprobs[rid] = prompt_logprobs(logits, nxt, sp.prompt_logprobs or 0, sp.prompt_logprobs_full)
+        return out
+
+    def _ids(self, values) -> torch.Tensor:
+        return torch.as_tensor(list(values), dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None or req.sampling_params.greedy:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[req.request_id] = gen
+        return gen
+
+    def free(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
