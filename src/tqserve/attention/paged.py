@@ -1,0 +1,488 @@
+"""Triton paged attention over bf16 / fp8 / TurboQuant pages: one kernel for decode, verify, extend.
+
+One program serves (a block of query tokens) x (all query heads of one KV head) x (one split of
+the key range): the rows of its tensor-core tile are (token, head-in-group) pairs, so every page is
+read once per KV head (GQA) and decode still uses `tl.dot` (the group is padded to 16 rows).
+
+Packed TurboQuant keys are never expanded to memory: the query is rotated once (y = x R^T), each
+score is `norm * <Rq, c[idx]>` with the centroids looked up from a 2^b-entry table, and codebook
+values are accumulated in the rotated space and rotated back once at the output. Min-max values
+(vLLM's `v = zero + idx * scale`) are accumulated as `(p * scale) @ idx + sum(p * zero)`.
+
+Exact copies (sink + recent window) follow the position rule of `attention/reference.py`: key p is
+read exact for query position q iff `p < S` or `q - p < W`; positions of this step come from the
+fresh k/v, older window positions from the ring, the first S from the sink buffer. Only key tiles
+that can hold an exact key take that branch, so the bulk of a long context reads pages only.
+
+Grids depend on host integers only (`max_query_len`, `max_seq_len`, `num_reqs`): no device sync.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tqserve.attention.tuning import group_pad, pick_config, pick_splits
+
+DENSE, CODEBOOK, MINMAX = 0, 1, 2
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class PageLayout:
+    """How one layer's page tensors are read. Built from a KV format by `layout_for_format`."""
+
+    head_dim: int
+    key_mode: int  # DENSE or CODEBOOK
+    val_mode: int  # DENSE, CODEBOOK or MINMAX
+    key_bits: int = 16
+    val_bits: int = 16
+    key_scaled: bool = False  # dense keys carry a per-token-head scale (fp8)
+    val_scaled: bool = False
+    key_name: str = "k"
+    key_scale_name: str | None = None  # fp8 scale or TurboQuant norm
+    val_name: str = "v"
+    val_scale_name: str | None = None  # fp8 scale, TurboQuant norm or min-max scale
+    val_zero_name: str | None = None  # min-max zero
+    key_codebook: torch.Tensor | None = None  # [2^b] float32 centroids (scaled 1/sqrt(d))
+    val_codebook: torch.Tensor | None = None
+    key_rotation: torch.Tensor | None = None  # R [d, d] float32, y = R x
+    val_rotation: torch.Tensor | None = None
+    sink: int = 0
+    window: int = 0
+
+    @property
+    def rotated_values(self) -> bool:
+        return self.val_mode == CODEBOOK
+
+    @property
+    def packed(self) -> bool:
+        return self.key_mode != DENSE or self.val_mode != DENSE
+
+
+def layout_for_format(fmt, device: torch.device | str) -> PageLayout:
+    """Map a kvquant format (kvquant/base.py ExactFormat or kvquant/formats.py CodecFormat) to the
+    kernel's page layout, with codebooks and rotation matrices moved to `device` once."""
+    from tqserve.kvquant.formats import (
+        CodecFormat,
+        ExactCodec,
+        Fp8CastCodec,
+        Fp8ScaledCodec,
+        MinMaxCodec,
+        TurboQuantCodec,
+    )
+    from tqserve.kvquant.reference import tq_codebook
+
+    d = fmt.head_dim
+    lay = PageLayout(head_dim=d, key_mode=DENSE, val_mode=DENSE, sink=fmt.sink, window=fmt.window)
+    if not isinstance(fmt, CodecFormat):
+        return lay  # ExactFormat: pages "k" / "v"
+    rot = fmt.rotation
+    mat = rot.matrix.to(device=device, dtype=torch.float32) if rot is not None else None
+    for side, codec in (("k", fmt.key_codec), ("v", fmt.value_codec)):
+        if isinstance(codec, TurboQuantCodec):
+            mode, bits, scaled, names = CODEBOOK, codec.bits, True, (f"{side}_idx", f"{side}_scale", None)
+            cb = tq_codebook(codec.bits, d, device)[0].float().contiguous()
+        elif isinstance(codec, MinMaxCodec):
+            mode, bits, scaled, names = MINMAX, codec.bits, True, (f"{side}_idx", f"{side}_scale", f"{side}_zero")
+            cb = None
+        elif isinstance(codec, Fp8ScaledCodec):
+            mode, bits, scaled, names, cb = DENSE, 8, True, (f"{side}_q", f"{side}_scale", None), None
+        elif isinstance(codec, Fp8CastCodec):
+            mode, bits, scaled, names, cb = DENSE, 8, False, (f"{side}_q", None, None), None
+        elif isinstance(codec, ExactCodec):
+            mode, bits, scaled, names, cb = DENSE, 16, False, (f"{side}_x", None, None), None
+        else:
+            raise NotImplementedError(f"no Triton path for codec {type(codec).__name__}")
+        if mode != DENSE and not 1 <= bits <= 8:
+            raise NotImplementedError(f"packed bits must be 1..8, got {bits}")
+        if side == "k":
+            if mode == MINMAX:
+                raise NotImplementedError("min-max keys are not supported by the kernel")
+            lay.key_mode, lay.key_bits, lay.key_scaled = mode, bits, scaled
+            lay.key_name, lay.key_scale_name = names[0], names[1]
+            lay.key_codebook, lay.key_rotation = cb, mat if mode == CODEBOOK else None
+        else:
+            lay.val_mode, lay.val_bits, lay.val_scaled = mode, bits, scaled
+            lay.val_name, lay.val_scale_name, lay.val_zero_name = names
+            lay.val_codebook, lay.val_rotation = cb, mat if mode == CODEBOOK else None
+    return lay
+
+
+@triton.jit
+def _unpack_tile(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+    """Indices [BN, DP] (int32) of BN tokens' little-endian b-bit streams: 8 indices span exactly
+    BITS bytes, so each group of 8 is assembled from BITS byte loads and split with shifts."""
+    NB: tl.constexpr = D * BITS // 8
+    g = tl.arange(0, DP // 8)
+    gm = nmask[:, None] & (g[None, :] < D // 8)
+    base = ptr + tok[:, None] * NB + g[None, :] * BITS
+    if BITS > 4:  # 8 indices of 5..8 bits span more than 32 bits
+        w = tl.zeros([BN, DP // 8], dtype=tl.int64)
+        for kb in tl.static_range(BITS):
+            byte = tl.load(base + kb, mask=gm, other=0).to(tl.int64)
+            w = w | (byte << (8 * kb))
+    else:
+        w = tl.zeros([BN, DP // 8], dtype=tl.int32)
+        for kb in tl.static_range(BITS):
+            byte = tl.load(base + kb, mask=gm, other=0).to(tl.int32)
+            w = w | (byte << (8 * kb))
+    sh = tl.arange(0, 8) * BITS
+    idx = (w[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(idx, (BN, DP)).to(tl.int32)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,  # [T, Hq, D] queries against page keys (rotated for codebook keys), any float dtype
+    qx_ptr,  # [T, Hq, D] unrotated queries against exact keys (== q_ptr when keys are not rotated)
+    kn_ptr,  # [T, Hkv, D] this step's keys (exact)
+    vn_ptr,
+    kp_ptr,  # key payload [nb, Hkv, BS, D] dense, or [nb, Hkv, BS, D*b/8] uint8 packed
+    ks_ptr,  # key scale / norm [nb, Hkv, BS]
+    vp_ptr,
+    vs_ptr,
+    vz_ptr,
+    kcb_ptr,  # codebooks [2^b] float32
+    vcb_ptr,
+    rk_ptr,  # ring [num_seq_slots, Hkv, W, D]
+    rv_ptr,
+    sk_ptr,  # sinks [num_sink_slots, Hkv, S, D]
+    sv_ptr,
+    qsl_ptr,
+    seqlen_ptr,
+    bt_ptr,
+    seqslot_ptr,
+    sinkslot_ptr,
+    out_ptr,  # [(splits,) T, Hq, NPART, D]
+    lse_ptr,  # [splits, T, Hq] (split mode only)
+    stride_qt,
+    stride_qxt,
+    stride_knt,
+    stride_vnt,
+    stride_bt,
+    stride_os,
+    stride_ot,
+    stride_ls,
+    stride_lt,
+    split_n,  # keys per split (multiple of BLOCK_N)
+    qk_scale,  # softmax scale * log2(e)
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KEY_MODE: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    KEY_SCALED: tl.constexpr,
+    VAL_MODE: tl.constexpr,
+    VAL_BITS: tl.constexpr,
+    VAL_SCALED: tl.constexpr,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    NPART: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    BM: tl.constexpr = BLOCK_Q * GP
+    HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
+    pid_q = tl.program_id(0)
+    pid_rh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    req = pid_rh // HKV
+    kvh = pid_rh % HKV
+    q_start = tl.load(qsl_ptr + req)
+    qlen = tl.load(qsl_ptr + req + 1) - q_start
+    seq_len = tl.load(seqlen_ptr + req)
+    qb0 = pid_q * BLOCK_Q
+    if qb0 >= qlen:
+        return
+    ctx = seq_len - qlen  # position of this step's first token
+
+    rows = tl.arange(0, BM)
+    qi = rows // GP
+    hh = rows % GP
+    row_ok = (qb0 + qi < qlen) & (hh < G)
+    tok = (q_start + qb0 + qi).to(tl.int64)
+    qpos = ctx + qb0 + qi
+    hq = kvh * G + hh
+    d = tl.arange(0, DP)
+    dmask = d < D
+    qmask = row_ok[:, None] & dmask[None, :]
+    if DOT_F32:  # the CPU interpreter computes bf16 dots wrongly; upcast there only
+        dot_t = tl.float32
+    else:
+        dot_t = kn_ptr.dtype.element_ty
+    qv = tl.load(q_ptr + tok[:, None] * stride_qt + hq[:, None] * D + d[None, :], mask=qmask, other=0.0)
+    qv = (qv.to(tl.float32) * qk_scale).to(dot_t)
+    if HAS_EXACT:
+        qx = tl.load(qx_ptr + tok[:, None] * stride_qxt + hq[:, None] * D + d[None, :], mask=qmask, other=0.0)
+        qx = (qx.to(tl.float32) * qk_scale).to(dot_t)
+        seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
+        sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
+
+    kv_end = tl.minimum(seq_len, ctx + qb0 + BLOCK_Q)  # keys beyond the block's last query are masked
+    q_min = ctx + qb0
+    lo = pid_s * split_n
+    hi = tl.minimum(kv_end, lo + split_n)
+
+    m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, DP], dtype=tl.float32)
+    accx = tl.zeros([BM, DP], dtype=tl.float32)  # exact values when the page values are rotated
+
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        page = tl.load(bt_ptr + req * stride_bt + n // BS, mask=nmask, other=0).to(tl.int64)
+        tokp = page * (HKV * BS) + kvh * BS + (n % BS)  # token-head row inside the page tensors
+
+        # ---- scores against what the page stores
+        if KEY_MODE == 0:
+            kt = tl.load(kp_ptr + tokp[:, None] * D + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+            s = tl.dot(qv, tl.trans(kt.to(dot_t)))
+            if KEY_SCALED:
+                s = s * tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            kidx = _unpack_tile(kp_ptr, tokp, nmask, KEY_BITS, D, DP, BLOCK_N)
+            kc = tl.load(kcb_ptr + kidx)
+            s = tl.dot(qv, tl.trans(kc.to(dot_t)))
+            s = s * tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+
+        if HAS_EXACT:
+            tile_exact = (n0 < SINK) | (n0 + BLOCK_N - 1 > q_min - WINDOW)
+            if tile_exact:
+                need = n < SINK
+                ex = n[None, :] < SINK
+                if WINDOW > 0:
+                    need = need | (n > q_min - WINDOW)
+                    ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+                kx = _load_exact(
+                    kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, dmask, ctx, q_start, stride_knt,
+                    seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+                )  # fmt: skip
+                sx = tl.dot(qx, tl.trans(kx.to(dot_t)))
+                s = tl.where(ex, sx, s)
+
+        valid = row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if NPART == 2:
+            accx = accx * alpha[:, None]
+        m_i = m_new
+
+        # ---- values
+        pp = p
+        if HAS_EXACT:
+            if tile_exact:
+                need = n < SINK
+                ex = n[None, :] < SINK
+                if WINDOW > 0:
+                    need = need | (n > q_min - WINDOW)
+                    ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+                vx = _load_exact(
+                    vn_ptr, rv_ptr, sv_ptr, n, nmask & need, d, dmask, ctx, q_start, stride_vnt,
+                    seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+                )  # fmt: skip
+                pe = tl.where(ex, p, 0.0)
+                if NPART == 2:
+                    accx += tl.dot(pe.to(dot_t), vx.to(dot_t))
+                else:
+                    acc += tl.dot(pe.to(dot_t), vx.to(dot_t))
+                pp = tl.where(ex, 0.0, p)
+        if VAL_MODE == 0:
+            vt = tl.load(vp_ptr + tokp[:, None] * D + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+            if VAL_SCALED:
+                pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.dot(pp.to(dot_t), vt.to(dot_t))
+        elif VAL_MODE == 1:
+            vidx = _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
+            vc = tl.load(vcb_ptr + vidx)
+            pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.dot(pp.to(dot_t), vc.to(dot_t))
+        else:
+            vidx = _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
+            vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+            vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+            acc += tl.dot((pp * vsc[None, :]).to(dot_t), vidx.to(dot_t))
+            acc += tl.sum(pp * vze[None, :], 1)[:, None]
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    hoff = hq[:, None] * (NPART * D) + d[None, :]
+    obase = out_ptr + pid_s * stride_os + tok[:, None] * stride_ot + hoff
+    tl.store(obase, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
+    if NPART == 2:
+        tl.store(obase + D, (accx / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
+    if SPLIT:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + pid_s * stride_ls + tok * stride_lt + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _load_exact(
+    new_ptr, ring_ptr, sink_ptr, n, need, d, dmask, ctx, q_start, stride_nt,
+    seq_slot, sink_slot, kvh, HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Exact K or V rows [BN, DP] for key positions n: this step's tokens from the fresh tensor,
+    older ones from the sink buffer (p < S) or the ring (entry p % W). Unneeded rows load zeros."""
+    fresh = n >= ctx
+    dm = dmask[None, :]
+    rel = (q_start + n - ctx).to(tl.int64)
+    x = tl.load(new_ptr + rel[:, None] * stride_nt + kvh * D + d[None, :], mask=(need & fresh)[:, None] & dm, other=0.0)
+    if SINK > 0:
+        srow = (sink_slot * HKV + kvh) * SINK + n
+        sm = need & (~fresh) & (n < SINK)
+        x += tl.load(sink_ptr + srow[:, None] * D + d[None, :], mask=sm[:, None] & dm, other=0.0)
+    if WINDOW > 0:
+        rrow = (seq_slot * HKV + kvh) * WINDOW + n % WINDOW
+        rm = need & (~fresh) & (n >= SINK)
+        x += tl.load(ring_ptr + rrow[:, None] * D + d[None, :], mask=rm[:, None] & dm, other=0.0)
+    return x
+
+
+@triton.jit
+def _split_reduce_kernel(
+    part_ptr, lse_ptr, out_ptr, n_splits, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
+    W: tl.constexpr, WP: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
+    """Combine the splits of one (token, query head) with their log-sum-exp weights (base 2)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    smask = s < n_splits
+    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+    c = tl.arange(0, WP)
+    cm = c < W
+    o = tl.load(
+        part_ptr + s[:, None] * stride_ps + t * stride_pt + h * W + c[None, :], mask=smask[:, None] & cm[None, :]
+    )
+    o = tl.where(w[:, None] > 0.0, o, 0.0)
+    res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * W + c, res.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    """Token dim may be strided (a view into a fused qkv output); heads and dims must be packed."""
+    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        x = x.contiguous()
+    return x
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    pages: dict[str, torch.Tensor],
+    layout: PageLayout,
+    meta,
+    scale: float,
+    ring: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention for every query token of the step, reading pages already holding this step's K/V.
+
+    q [T, Hq, d]; k_new, v_new [T, Hkv, d] (exact, for the window rule). Returns [T, Hq, d] in q's
+    dtype. Rows past `meta.num_tokens` (graph padding) are zeroed.
+    """
+    T, hq, d = q.shape
+    hkv = k_new.shape[1]
+    group = hq // hkv
+    gp = group_pad(group)
+    dp = triton.next_power_of_2(d)
+    kp = pages[layout.key_name]
+    vp = pages[layout.val_name]
+    bs = kp.shape[2]
+    dev = q.device
+    q = _row_major(q)
+    k_new = _row_major(k_new)
+    v_new = _row_major(v_new)
+    cfg = pick_config(meta.max_query_len, group, d, layout.packed)
+    n_qblocks = triton.cdiv(max(1, meta.max_query_len), cfg.block_q)
+    splits = num_splits or pick_splits(meta.num_reqs, hkv, n_qblocks, meta.max_seq_len, cfg.block_n, _num_sms(dev))
+    tiles = triton.cdiv(max(1, meta.max_seq_len), cfg.block_n)
+    split_n = triton.cdiv(tiles, splits) * cfg.block_n
+    splits = triton.cdiv(tiles * cfg.block_n, split_n)
+
+    qx = q
+    if layout.key_mode == CODEBOOK:
+        # y = R x for row vectors is x @ R^T; one small GEMM for all heads of the step.
+        q = (q.float() @ layout.key_rotation.T).view(T, hq, d)
+    npart = 2 if (layout.rotated_values and (layout.sink or layout.window)) else 1
+    rotated = layout.rotated_values
+    if out is None:
+        out = torch.empty_like(qx)
+    direct = splits == 1 and not rotated
+    if direct:
+        part = out
+    else:
+        part_shape = (splits, T, hq, npart * d) if splits > 1 else (1, T, hq, npart * d)
+        part = torch.empty(part_shape, device=dev, dtype=torch.float32)
+    lse = torch.empty((splits, T, hq), device=dev, dtype=torch.float32) if splits > 1 else part
+    dummy = kp
+    ks = pages[layout.key_scale_name] if layout.key_scale_name else dummy
+    vs = pages[layout.val_scale_name] if layout.val_scale_name else dummy
+    vz = pages[layout.val_zero_name] if layout.val_zero_name else dummy
+    kcb = layout.key_codebook if layout.key_codebook is not None else dummy
+    vcb = layout.val_codebook if layout.val_codebook is not None else dummy
+    rk, rv = ring if ring is not None else (k_new, v_new)
+    sk, sv = sinks if sinks is not None else (k_new, v_new)
+    if layout.window and ring is None or layout.sink and sinks is None:
+        raise ValueError("layout keeps exact copies but no ring / sink buffers were given")
+    stride_os = part.stride(0) if part.dim() == 4 and not direct else 0
+    stride_ot = hq * npart * d
+    grid = (n_qblocks, meta.num_reqs * hkv, splits)
+    _paged_attn_kernel[grid](
+        q, qx, k_new, v_new, kp, ks, vp, vs, vz, kcb, vcb, rk, rv, sk, sv,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.seq_slots, meta.sink_slots,
+        part, lse,
+        q.stride(0), qx.stride(0), k_new.stride(0), v_new.stride(0), meta.block_tables.stride(0),
+        stride_os, stride_ot, lse.stride(0) if splits > 1 else 0, hq,
+        split_n, scale * LOG2E,
+        HKV=hkv, G=group, GP=gp, D=d, DP=dp, BS=bs, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+        KEY_MODE=layout.key_mode, KEY_BITS=layout.key_bits, KEY_SCALED=layout.key_scaled,
+        VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, VAL_SCALED=layout.val_scaled,
+        SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1, DOT_F32=_interpreting() or q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        w = npart * d
+        red = out if not rotated else torch.empty((T, hq, w), device=dev, dtype=torch.float32)
+        _split_reduce_kernel[(meta.num_tokens, hq)](
+            part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
+            W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
+        )  # fmt: skip
+        part = red
+    if rotated:
+        pr = part.view(-1, T, hq, npart, d)[0] if part.dim() == 4 else part.view(T, hq, npart, d)
+        res = pr[:, :, 0] @ layout.val_rotation  # x = R^T y, for rows: y @ R
+        if npart == 2:
+            res = res + pr[:, :, 1]
+        out.copy_(res)
+    if meta.num_tokens < T:
+        out[meta.num_tokens :].zero_()
+    return out

@@ -1,0 +1,63 @@
+"""Static launch configurations for the paged-attention kernels, per shape class.
+
+No runtime autotuning (invariant 4: every specialization is known before graph capture). A shape
+class is decided from host integers only: the step's `max_query_len`, the GQA group and head size.
+Numbers were picked on an H100 (see docs/benchmarks.md, "Kernels"); they are leads for other cards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    block_q: int  # query tokens per program (rows = block_q * padded group)
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def group_pad(group: int) -> int:
+    return triton.next_power_of_2(group)
+
+
+def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool) -> AttnConfig:
+    """Decode (1 token), verify (a few tokens) and extend (long chunks) get different tiles.
+
+    Rows of a program are (query token, query head of the KV head): decode packs the GQA group
+    into the rows of one tensor-core tile (padded to 16), extend fills up to 128 rows.
+    """
+    gp = group_pad(group)
+    dp = triton.next_power_of_2(head_dim)
+    big_d = dp >= 256
+    if max_query_len <= 16:
+        # Decode / spec-verify: cover every query token of a request in one program so each page is
+        # read once per (request, KV head); tiles are memory-bound, so wide key tiles.
+        bq = triton.next_power_of_2(max(1, max_query_len))
+        while bq * gp > 64 and bq > 1:
+            bq //= 2
+        block_n = 32 if big_d else 64
+        return AttnConfig(bq, block_n, 4, 2 if packed else 3)
+    # Extend: compute-bound, flash-attention style 64..128-row tiles.
+    rows = 64 if big_d else 128
+    bq = max(1, rows // gp)
+    block_n = 32 if big_d else 64
+    return AttnConfig(bq, block_n, 8 if not big_d else 8, 2)
+
+
+def pick_splits(num_reqs: int, num_kv_heads: int, num_qblocks: int, max_seq_len: int, block_n: int, sms: int) -> int:
+    """Split-K count (flash-decoding) so that few long requests still fill the card.
+
+    Depends on host integers only, so the grid does not depend on data.
+    """
+    programs = max(1, num_reqs * num_kv_heads * num_qblocks)
+    target = 2 * sms
+    if programs >= target:
+        return 1
+    tiles = triton.cdiv(max(1, max_seq_len), block_n)
+    # at least 8 tiles per split, so the partial-result traffic stays small
+    by_len = max(1, tiles // 8)
+    return max(1, min(triton.cdiv(target, programs), by_len, 128))
