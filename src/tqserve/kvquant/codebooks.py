@@ -65,7 +65,7 @@ def _gaussian(bits: int) -> Codebook:
         lo, hi = edges[:-1], edges[1:]
         mass = _cdf(hi) - _cdf(lo)
         new = (_phi(lo) - _phi(hi)) / mass
-        if (new - c).abs().max() < 1e-13:
+        if (new - c).abs().max() < 1e-11:
             c = new
             break
         c = new
@@ -83,7 +83,7 @@ def gaussian_codebook(bits: int) -> Codebook:
     return Codebook(cb.bits, cb.centroids.clone(), cb.boundaries.clone(), cb.distortion)
 
 
-def _sphere_grid(d: int, points: int = 400_001) -> tuple[torch.Tensor, torch.Tensor]:
+def _sphere_grid(d: int, points: int = 200_001) -> tuple[torch.Tensor, torch.Tensor]:
     """Grid and normalized weights of t = sqrt(d) * u_1 for u uniform on the sphere S^(d-1)."""
     r = math.sqrt(d)
     t = torch.linspace(-r, r, points, dtype=torch.float64)[1:-1]
