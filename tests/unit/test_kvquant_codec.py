@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -61,7 +62,7 @@ def test_codebooks_up_to_six_bits_are_ordered_with_midpoint_boundaries():
         )
     # each extra bit cuts the distortion by close to 4x, as the 4^-b bound says
     ds = [gaussian_codebook(b).distortion for b in range(1, 7)]
-    assert all(3.0 < a / b < 4.2 for a, b in zip(ds, ds[1:]))
+    assert all(3.0 < a / b < 4.2 for a, b in itertools.pairwise(ds))
 
 
 def test_sphere_codebook_d128_matches_table():
