@@ -27,29 +27,29 @@ LAYER_TYPES = [
 ]
 VOCAB = 256
 
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=len(LAYER_TYPES),
-    layer_types=LAYER_TYPES,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-_MOE = dict(
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-)
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": len(LAYER_TYPES),
+    "layer_types": LAYER_TYPES,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+_MOE = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
 
 
 def make_config(variant: str, **overrides):
@@ -212,7 +212,7 @@ def load_tqserve_model(path: str, dtype=torch.float32, device="cpu"):
     }
     model = classes[cfg.architectures[0]](cfg, dtype)
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        model.load_weights((k, f.get_tensor(k)) for k in f.keys())
+        model.load_weights((k, f.get_tensor(k)) for k in f)
     return model.to(device).eval()
 
 

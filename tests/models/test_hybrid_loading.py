@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 
+import hybrid_factory as hf
 import pytest
 import torch
-
-import hybrid_factory as hf
 
 
 def _logits(model, ids):

@@ -3,10 +3,9 @@ path: fla must not be installed), driven without the engine by the test-only dri
 
 from __future__ import annotations
 
+import hybrid_factory as hf
 import pytest
 import torch
-
-import hybrid_factory as hf
 
 VARIANTS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 
