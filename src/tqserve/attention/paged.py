@@ -284,7 +284,7 @@ def _paged_attn_kernel(
 
         # ---- values
         pp = p
-        if HAS_EXACT:
+        if HAS_EXACT:  # noqa: SIM102 (constexpr test, then a runtime one: must stay nested)
             if tile_exact:
                 need = n < SINK
                 ex = n[None, :] < SINK

@@ -45,7 +45,7 @@ def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool) -> 
     rows = 64 if big_d else 128
     bq = max(1, rows // gp)
     block_n = 32 if big_d else 64
-    return AttnConfig(bq, block_n, 8 if not big_d else 8, 2)
+    return AttnConfig(bq, block_n, 8, 2)
 
 
 def pick_splits(num_reqs: int, num_kv_heads: int, num_qblocks: int, max_seq_len: int, block_n: int, sms: int) -> int:

@@ -1,0 +1,54 @@
+"""The GPU attention backend: fused store kernel, then the Triton paged-attention kernel family.
+
+Same contract and same numbers as `attention/reference.py` (the executable definition): write this
+step's K/V into pages (quantized once), attend reading what is stored plus the exact sink / window
+copies, then refresh those copies. Everything is driven by device metadata; launch grids use host
+integers only (`max_query_len`, `max_seq_len`, `num_reqs`, token count), so a step can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqserve.attention.backend import AttentionBackend, AttentionMetadata
+from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention
+from tqserve.attention.reference import KVCacheStore
+from tqserve.kvquant.store_triton import StorePlan, store_kv
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, store: KVCacheStore) -> None:
+        self.store = store
+        dev = next(iter(store.pages[0].values())).device if store.pages else torch.device("cpu")
+        # Codebooks, rotation matrices and kernel arguments are built once at startup (invariant 3).
+        self.layouts: list[PageLayout] = [layout_for_format(f, dev) for f in store.formats]
+        self.plans: list[StorePlan] = [StorePlan(f, dev) for f in store.formats]
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store = self.store
+        pages = store.pages[layer_idx]
+        t = k.shape[0]
+        store_kv(pages, self.plans[layer_idx], k, v, meta.slot_mapping[:t])
+        out = paged_attention(
+            q,
+            k,
+            v,
+            pages,
+            self.layouts[layer_idx],
+            meta,
+            scale,
+            ring=store.ring[layer_idx],
+            sinks=store.sinks[layer_idx],
+        )
+        n = meta.num_tokens
+        store.refresh_exact(layer_idx, k[:n], v[:n], meta)
+        return out
