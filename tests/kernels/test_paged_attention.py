@@ -19,12 +19,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from paged_cases import fill_context, make_meta  # noqa: E402
+from paged_cases import fill_context, make_meta
 
-from tqserve.attention.paged import layout_for_format, paged_attention  # noqa: E402
-from tqserve.attention.reference import KVCacheStore, ReferenceBackend  # noqa: E402
-from tqserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from tqserve.kvquant.presets import make_layer_format  # noqa: E402
+from tqserve.attention.paged import layout_for_format, paged_attention
+from tqserve.attention.reference import KVCacheStore, ReferenceBackend
+from tqserve.attention.triton_backend import TritonAttentionBackend
+from tqserve.kvquant.presets import make_layer_format
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

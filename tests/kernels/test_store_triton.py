@@ -10,9 +10,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tqserve.kvquant.packing import unpack_bits  # noqa: E402
-from tqserve.kvquant.presets import make_layer_format  # noqa: E402
-from tqserve.kvquant.store_triton import StorePlan, store_kv  # noqa: E402
+from tqserve.kvquant.packing import unpack_bits
+from tqserve.kvquant.presets import make_layer_format
+from tqserve.kvquant.store_triton import StorePlan, store_kv
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"

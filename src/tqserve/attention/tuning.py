@@ -39,6 +39,7 @@ def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool) -> 
         bq = triton.next_power_of_2(max(1, max_query_len))
         while bq * gp > 64 and bq > 1:
             bq //= 2
+        bq = max(bq, 16 // gp)  # tl.dot needs at least 16 rows
         block_n = 32 if big_d else 64
         return AttnConfig(bq, block_n, 4, 2 if packed else 3)
     # Extend: compute-bound, flash-attention style 64..128-row tiles.

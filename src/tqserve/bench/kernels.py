@@ -1,0 +1,248 @@
+"""`tqserve bench kernels`: paged attention and store kernels against SDPA and the card's copy rate.
+
+Everything is measured side by side in one process on one card: a device-to-device copy (the
+bandwidth ceiling, bytes read + written), `F.scaled_dot_product_attention` on contiguous bf16 KV,
+then the Triton kernels over bf16 / fp8 / TurboQuant pages filled with random (never zero) data.
+Times are medians of `triton.testing.do_bench` (CUDA events). Bytes are the fewest a kernel must
+move: every page byte of every key it attends to, read once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+PRESETS = ["auto", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3"]
+
+
+def _bench(fn, rep_ms: int = 200) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth(dev) -> float:
+    """GB/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    n = 1 << 30
+    a = torch.randn(n // 2, device=dev, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = _bench(lambda: b.copy_(a))
+    del a, b
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def _meta(n_req: int, ctx: int, qlen: int, bs: int, dev):
+    from tqserve.attention.backend import AttentionMetadata
+
+    seq = ctx + qlen
+    per = math.ceil(seq / bs)
+    perm = torch.randperm(n_req * per, device=dev).to(torch.int32) + 1  # page 0 is the null page
+    tables = perm.view(n_req, per)
+    qsl = torch.arange(0, n_req + 1, device=dev, dtype=torch.int32) * qlen
+    pos = (ctx + torch.arange(qlen, device=dev)).repeat(n_req)
+    req = torch.arange(n_req, device=dev).repeat_interleave(qlen)
+    slots = tables[req, pos // bs].long() * bs + pos % bs
+    return AttentionMetadata(
+        num_reqs=n_req,
+        num_tokens=n_req * qlen,
+        max_query_len=qlen,
+        max_seq_len=seq,
+        query_start_loc=qsl,
+        seq_lens=torch.full((n_req,), seq, device=dev, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=slots,
+        positions=pos,
+        seq_slots=torch.arange(1, n_req + 1, device=dev, dtype=torch.int32),
+        sink_slots=torch.arange(1, n_req + 1, device=dev, dtype=torch.int32),
+    ), n_req * per + 1
+
+
+def _fill_pages(pages: dict[str, torch.Tensor]) -> None:
+    """Random, valid, never-zero page contents (timing only)."""
+    for name, t in pages.items():
+        if t.dtype == torch.uint8:
+            t.random_(0, 256)
+        elif t.dim() == 3:  # per-token scale / norm / zero
+            t.uniform_(0.05, 1.0) if not name.endswith("zero") else t.uniform_(-1.0, -0.1)
+        else:
+            t.copy_(torch.randn(t.shape, device=t.device).to(t.dtype))
+
+
+class Case:
+    def __init__(self, preset, n_req, ctx, qlen, hq, hkv, d, dev, bs=16):
+        from tqserve.attention.paged import layout_for_format
+        from tqserve.kvquant.presets import make_layer_format
+
+        self.fmt = make_layer_format(preset, 5, hkv, d, torch.bfloat16)
+        self.meta, nblocks = _meta(n_req, ctx, qlen, bs, dev)
+        self.pages = self.fmt.allocate(nblocks, bs, dev)
+        _fill_pages(self.pages)
+        self.layout = layout_for_format(self.fmt, dev)
+        t = n_req * qlen
+        self.q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
+        self.k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+        self.v = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+        self.ring = self.sinks = None
+        if self.fmt.window:
+            shape = (n_req + 1, hkv, self.fmt.window, d)
+            self.ring = (torch.randn(shape, device=dev).bfloat16(), torch.randn(shape, device=dev).bfloat16())
+        if self.fmt.sink:
+            shape = (n_req + 1, hkv, self.fmt.sink, d)
+            self.sinks = (torch.randn(shape, device=dev).bfloat16(), torch.randn(shape, device=dev).bfloat16())
+        self.out = torch.empty_like(self.q)
+        self.d = d
+        # fewest bytes: every page byte of every (request, key) read once + q / out
+        self.bytes = n_req * (ctx + qlen) * self.fmt.page_bytes_per_token() + 2 * self.q.numel() * 2
+
+    def run(self):
+        from tqserve.attention.paged import paged_attention
+
+        return paged_attention(
+            self.q, self.k, self.v, self.pages, self.layout, self.meta, self.d**-0.5,
+            ring=self.ring, sinks=self.sinks, out=self.out,
+        )  # fmt: skip
+
+    def free(self):
+        self.pages = None
+
+
+def sdpa_decode_ms(n_req, ctx, qlen, hq, hkv, d, dev) -> tuple[float, float]:
+    """SDPA over contiguous bf16 K/V [B, Hkv, L, d] with GQA (no causal mask needed for qlen 1)."""
+    q = torch.randn(n_req, hq, qlen, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(n_req, hkv, ctx + qlen, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ms = _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    nbytes = 2 * k.numel() * 2
+    del q, k, v
+    return ms, nbytes
+
+
+def sdpa_flash_tflops(dev, hq=32, hkv=8, d=128, L=8192) -> float:
+    """Causal bf16 prefill through SDPA (flash backend): the extend throughput anchor."""
+    q = torch.randn(1, hq, L, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, hq, L, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ms = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    flops = 4 * hq * d * L * L / 2
+    return flops / (ms * 1e-3) / 1e12
+
+
+def store_case(preset, t, hkv, d, dev) -> tuple[float, float]:
+    from tqserve.kvquant.presets import make_layer_format
+    from tqserve.kvquant.store_triton import StorePlan, store_kv
+
+    fmt = make_layer_format(preset, 5, hkv, d, torch.bfloat16)
+    bs = 16
+    pages = fmt.allocate(t // bs + 2, bs, dev)
+    k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(t, device=dev) + bs
+    plan = StorePlan(fmt, dev)
+    ms = _bench(lambda: store_kv(pages, plan, k, v, slots))
+    nbytes = 2 * k.numel() * 2 + t * fmt.page_bytes_per_token() + t * 8
+    return ms, nbytes / (ms * 1e-3) / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tqserve bench kernels", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smaller contexts (smoke run)")
+    ap.add_argument("--json", default=None, help="write all numbers here")
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    presets = args.presets.split(",")
+    hq, hkv, d = 32, 8, 128
+    ctx = 4096 if args.quick else 32768
+    long_ctx = 16384 if args.quick else 131072
+    res: dict = {
+        "card": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "command": "tqserve bench kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "torch": torch.__version__,
+    }
+    import triton
+
+    res["triton"] = triton.__version__
+    bw = copy_bandwidth(dev)
+    res["copy_GBps"] = bw
+    rows = []
+
+    def record(name, ms, nbytes, base_ms=None):
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        row = {"case": name, "ms": ms, "GBps": gbps, "bw_frac": gbps / bw}
+        if base_ms:
+            row["speedup_vs_sdpa"] = base_ms / ms
+        rows.append(row)
+        sp = f"{row.get('speedup_vs_sdpa', float('nan')):6.2f}x" if base_ms else "       "
+        print(f"{name:44s} {ms:8.3f} ms {gbps:8.0f} GB/s ({gbps / bw:5.1%} of copy) {sp}", flush=True)
+        return ms
+
+    print(f"card {res['card']}  copy {bw:.0f} GB/s", flush=True)
+    # ---- decode 32 x ctx
+    sd_ms, sd_bytes = sdpa_decode_ms(32, ctx, 1, hq, hkv, d, dev)
+    record(f"sdpa decode 32x{ctx}", sd_ms, sd_bytes)
+    decode_ms = {}
+    for p in presets:
+        c = Case(p, 32, ctx, 1, hq, hkv, d, dev)
+        decode_ms[p] = record(f"paged {p} decode 32x{ctx}", _bench(c.run), c.bytes, sd_ms)
+        c.free()
+        del c
+        torch.cuda.empty_cache()
+    # ---- verify 32 x (1+4) x ctx
+    for p in [x for x in ("auto", "turboquant_4bit_nc", "tq4") if x in presets]:
+        c = Case(p, 32, ctx, 5, hq, hkv, d, dev)
+        ms = record(f"paged {p} verify 32x(1+4)x{ctx}", _bench(c.run), c.bytes, sd_ms)
+        rows[-1]["vs_decode"] = ms / decode_ms[p]
+        c.free()
+        del c
+        torch.cuda.empty_cache()
+    # ---- decode 1 x long_ctx
+    sl_ms, sl_bytes = sdpa_decode_ms(1, long_ctx, 1, hq, hkv, d, dev)
+    record(f"sdpa decode 1x{long_ctx}", sl_ms, sl_bytes)
+    for p in [x for x in ("auto", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq4") if x in presets]:
+        c = Case(p, 1, long_ctx, 1, hq, hkv, d, dev)
+        record(f"paged {p} decode 1x{long_ctx}", _bench(c.run), c.bytes, sl_ms)
+        c.free()
+        del c
+        torch.cuda.empty_cache()
+    # ---- extend: 2048-token chunk over a ctx prefix
+    flash = sdpa_flash_tflops(dev)
+    res["sdpa_flash_causal_TFLOPs"] = flash
+    print(f"sdpa flash causal prefill 8192: {flash:.0f} TFLOP/s", flush=True)
+    for p in [x for x in ("auto", "turboquant_4bit_nc", "tq4") if x in presets]:
+        c = Case(p, 1, ctx, 2048, hq, hkv, d, dev)
+        ms = _bench(c.run)
+        flops = 4 * hq * d * 2048 * (ctx + 1024)
+        tf = flops / (ms * 1e-3) / 1e12
+        rows.append({"case": f"paged {p} extend 2048 over {ctx}", "ms": ms, "TFLOPs": tf, "vs_flash": tf / flash})
+        print(f"paged {p} extend 2048 over {ctx}: {ms:.3f} ms {tf:.0f} TFLOP/s ({tf / flash:.2f} of flash)", flush=True)
+        c.free()
+        del c
+        torch.cuda.empty_cache()
+    # ---- store
+    for p in presets:
+        ms, gbps = store_case(p, 16384, hkv, d, dev)
+        rows.append({"case": f"store {p} 16384 tok", "ms": ms, "GBps": gbps, "bw_frac": gbps / bw})
+        print(f"store {p:36s} {ms:8.3f} ms {gbps:8.0f} GB/s ({gbps / bw:5.1%} of copy)", flush=True)
+    res["rows"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
