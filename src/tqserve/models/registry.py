@@ -9,6 +9,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("tqserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tqserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tqserve.models.qwen3", "Qwen3ForCausalLM"),
+    # Hybrid (Gated DeltaNet + gated attention) models.
+    "Qwen3NextForCausalLM": ("tqserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("tqserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("tqserve.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForCausalLM": ("tqserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("tqserve.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 

@@ -42,6 +42,9 @@ class StatePool:
     def bytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.conv + self.ssm)
 
+    def total_bytes(self) -> int:
+        return self.bytes_per_slot() * self.num_slots
+
     @torch.no_grad()
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """state[dst[j]] = state[src[j]] in every layer (checkpoint save / restore for prefix caching).
