@@ -19,12 +19,8 @@ IDS = list(range(3, 40, 2))
 
 def test_fused_and_per_expert_checkpoints_agree(tmp_path):
     m = hf.make_hf_model("qwen3_5_moe")
-    a = hf.load_tqserve_model(
-        hf.write_checkpoint(m, str(tmp_path / "per"), per_expert=True)
-    )
-    b = hf.load_tqserve_model(
-        hf.write_checkpoint(m, str(tmp_path / "fused"), per_expert=False)
-    )
+    a = hf.load_tqserve_model(hf.write_checkpoint(m, str(tmp_path / "per"), per_expert=True))
+    b = hf.load_tqserve_model(hf.write_checkpoint(m, str(tmp_path / "fused"), per_expert=False))
     assert torch.equal(_logits(a, IDS), _logits(b, IDS))
 
 
@@ -32,9 +28,7 @@ def test_language_model_prefix_tied_and_mtp(tmp_path):
     m = hf.make_hf_model("qwen3_5", tie_word_embeddings=True)
     with torch.no_grad():
         m.lm_head.weight = m.model.embed_tokens.weight
-    path = hf.write_checkpoint(
-        m, str(tmp_path / "mm"), language_model_prefix=True, with_mtp=True
-    )
+    path = hf.write_checkpoint(m, str(tmp_path / "mm"), language_model_prefix=True, with_mtp=True)
     ours = hf.load_tqserve_model(path)
     assert ours.mtp is not None and len(ours.mtp.layers) == 1
     assert ours.lm_head.weight is ours.embed_tokens.weight

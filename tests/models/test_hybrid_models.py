@@ -18,9 +18,7 @@ def pair(request, tmp_path_factory):
 
 
 def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(
-        0, hf.VOCAB, (n,), generator=torch.Generator().manual_seed(seed)
-    ).tolist()
+    return torch.randint(0, hf.VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,9 +57,7 @@ def test_chunked_batched_steps_match_transformers(pair):
     plan_a, plan_b = [7, 3, 1, 1, 12, 6], [5, 1, 9, 1, 2, 1]
     got_a, got_b, done_a, done_b = [], [], 0, 0
     for na, nb in zip(plan_a, plan_b):
-        logits = drv.step(
-            [(3, a[done_a : done_a + na], done_a), (5, b[done_b : done_b + nb], done_b)]
-        )
+        logits = drv.step([(3, a[done_a : done_a + na], done_a), (5, b[done_b : done_b + nb], done_b)])
         got_a.append(logits[:na])
         got_b.append(logits[na:])
         done_a, done_b = done_a + na, done_b + nb
@@ -78,10 +74,7 @@ def test_null_slot_is_skipped(pair):
     drv = hf.Driver(ours)
     logits = drv.step([(0, _prompt(4, 5), 0), (2, ids, 0)])
     assert _rel_err(logits[4:], _hf_logits(hf_model, ids)) <= 1e-4
-    assert all(
-        float(t[1].abs().max()) == 0.0 and float(t[3:].abs().max()) == 0.0
-        for t in drv.pool.ssm
-    )
+    assert all(float(t[1].abs().max()) == 0.0 and float(t[3:].abs().max()) == 0.0 for t in drv.pool.ssm)
 
 
 @pytest.mark.parametrize("chunk", [5, 4096])
@@ -92,9 +85,7 @@ def test_greedy_matches_transformers(pair, chunk):
     hf_model.generation_config.eos_token_id = None
     for prompt, tokens in zip(prompts, got):
         ids = torch.tensor([prompt])
-        ref = hf_model.generate(
-            ids, max_new_tokens=32, do_sample=False, min_new_tokens=32
-        )[0, len(prompt) :]
+        ref = hf_model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, len(prompt) :]
         assert tokens == ref.tolist()
 
 
@@ -103,10 +94,7 @@ def test_specs(pair):
     cfg = hf_model.config
     n_full = cfg.layer_types.count("full_attention")
     assert ours.kv_layer_specs() == [(cfg.num_key_value_heads, cfg.head_dim)] * n_full
-    conv_dim = (
-        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        + cfg.linear_num_value_heads * 16
-    )
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * 16
     spec = (
         (conv_dim, 4),
         (

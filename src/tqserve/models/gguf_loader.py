@@ -76,21 +76,51 @@ def _tensor(t, device) -> torch.Tensor:
 
 
 def load_gguf_config(path: str, reader: GGUFReader):
+    """An HF config built from the GGUF metadata (read from our own reader: transformers' GGUF
+    config path parses the whole file again, which costs seconds for a 50k-token vocabulary)."""
     from transformers import AutoConfig
 
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
-    directory, filename = os.path.split(os.path.abspath(path))
-    cfg = AutoConfig.from_pretrained(directory, gguf_file=filename)
-    cfg.architectures = [GGUF_ARCHITECTURES[arch]]
+
+    def meta(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    num_heads = meta("attention.head_count")
+    hidden = meta("embedding_length")
     names = {t.name for t in reader.tensors}
-    cfg.tie_word_embeddings = "output.weight" not in names
-    rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if rope is not None:
-        theta = cfg.rope_parameters.get("rope_theta") if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
-        factors = [float(x) for x in np.asarray(rope.data, dtype=np.float32).reshape(-1)]  # stored as F32
-        cfg.rope_parameters = {"rope_type": "freq_factors", "rope_theta": theta, "factors": factors}
+    vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
+    scaling_type = meta("rope.scaling.type")
+    if scaling_type == "linear":
+        rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
+    elif scaling_type not in (None, "none"):
+        raise NotImplementedError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    freq_factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freq_factors is not None:
+        # Llama 3.1+ GGUFs carry llama3 scaling as per-frequency divisors (stored as F32).
+        factors = [float(x) for x in np.asarray(freq_factors.data, dtype=np.float32).reshape(-1)]
+        rope.update(rope_type="freq_factors", factors=factors)
+    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[arch]
+    cfg = AutoConfig.for_model(
+        model_type,
+        architectures=[GGUF_ARCHITECTURES[arch]],
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=int(num_heads),
+        num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        max_position_embeddings=int(meta("context_length")),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+    # Set after construction: config validation knows nothing of the GGUF-only "freq_factors" type.
+    cfg.rope_parameters = rope
     return cfg
 
 
