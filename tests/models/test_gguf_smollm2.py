@@ -64,3 +64,10 @@ def test_greedy_answer_is_sensible(smollm2):
     for _ in range(8):
         ids = torch.cat([ids, tqserve_logits(model, ids)[-1].argmax().view(1)])
     assert "Paris" in tokenizer.decode(ids[-8:])  # "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("text", ["Hello 😀👍🏽 world", "日本語のテキストと中文混合 한국어 café"])
+def test_incremental_detokenizer_real_vocab(smollm2, text):
+    from test_tokenizer import assert_streams_exactly
+
+    assert_streams_exactly(smollm2[2], text)
