@@ -115,25 +115,43 @@ def layout_for_format(fmt, device: torch.device | str) -> PageLayout:
 
 @triton.jit
 def _unpack_tile(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
-    """Indices [BN, DP] (int32) of BN tokens' little-endian b-bit streams: 8 indices span exactly
-    BITS bytes, so each group of 8 is assembled from BITS byte loads and split with shifts."""
+    """Indices [BN, DP] (int32) of BN tokens' little-endian b-bit streams.
+
+    8 consecutive indices span exactly BITS bytes: one word per group (a single 32-bit load for
+    4-bit, 16-bit for 2-bit, BITS byte loads otherwise), split with shifts and interleaved back
+    with a tree of `tl.join`, which keeps the 8 indices of a group in the same thread (no shuffle).
+    """
+    G: tl.constexpr = DP // 8
     NB: tl.constexpr = D * BITS // 8
-    g = tl.arange(0, DP // 8)
+    g = tl.arange(0, G)
     gm = nmask[:, None] & (g[None, :] < D // 8)
-    base = ptr + tok[:, None] * NB + g[None, :] * BITS
-    if BITS > 4:  # 8 indices of 5..8 bits span more than 32 bits
-        w = tl.zeros([BN, DP // 8], dtype=tl.int64)
+    if BITS == 4:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + tok[:, None] * (NB // 4) + g[None, :], mask=gm, other=0)
+    elif BITS == 2:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + tok[:, None] * (NB // 2) + g[None, :], mask=gm, other=0)
+        w = w.to(tl.int32) & 0xFFFF
+    elif BITS > 4:  # 8 indices of 5..8 bits span more than 32 bits
+        base = ptr + tok[:, None] * NB + g[None, :] * BITS
+        w = tl.zeros([BN, G], dtype=tl.int64)
         for kb in tl.static_range(BITS):
-            byte = tl.load(base + kb, mask=gm, other=0).to(tl.int64)
-            w = w | (byte << (8 * kb))
+            w = w | (tl.load(base + kb, mask=gm, other=0).to(tl.int64) << (8 * kb))
     else:
-        w = tl.zeros([BN, DP // 8], dtype=tl.int32)
+        base = ptr + tok[:, None] * NB + g[None, :] * BITS
+        w = tl.zeros([BN, G], dtype=tl.int32)
         for kb in tl.static_range(BITS):
-            byte = tl.load(base + kb, mask=gm, other=0).to(tl.int32)
-            w = w | (byte << (8 * kb))
-    sh = tl.arange(0, 8) * BITS
-    idx = (w[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
-    return tl.reshape(idx, (BN, DP)).to(tl.int32)
+            w = w | (tl.load(base + kb, mask=gm, other=0).to(tl.int32) << (8 * kb))
+    M: tl.constexpr = (1 << BITS) - 1
+    i0 = (w & M).to(tl.int32)
+    i1 = ((w >> BITS) & M).to(tl.int32)
+    i2 = ((w >> (2 * BITS)) & M).to(tl.int32)
+    i3 = ((w >> (3 * BITS)) & M).to(tl.int32)
+    i4 = ((w >> (4 * BITS)) & M).to(tl.int32)
+    i5 = ((w >> (5 * BITS)) & M).to(tl.int32)
+    i6 = ((w >> (6 * BITS)) & M).to(tl.int32)
+    i7 = ((w >> (7 * BITS)) & M).to(tl.int32)
+    # join adds a new minor dim: the outermost join picks bit 0 of the index within the group.
+    x = tl.join(tl.join(tl.join(i0, i4), tl.join(i2, i6)), tl.join(tl.join(i1, i5), tl.join(i3, i7)))
+    return tl.reshape(x, (BN, DP))
 
 
 @triton.jit
@@ -218,10 +236,15 @@ def _paged_attn_kernel(
     qmask = row_ok[:, None] & dmask[None, :]
     if DOT_F32:  # the CPU interpreter computes bf16 dots wrongly; upcast there only
         dot_t = tl.float32
+        pk_t = tl.float32
     else:
         dot_t = kn_ptr.dtype.element_ty
+        pk_t = tl.float16  # decoded operands are small: fp16 keeps 3 more mantissa bits than bf16
     qv = tl.load(q_ptr + tok[:, None] * stride_qt + hq[:, None] * D + d[None, :], mask=qmask, other=0.0)
-    qv = (qv.to(tl.float32) * qk_scale).to(dot_t)
+    if KEY_MODE == 0:
+        qv = (qv.to(tl.float32) * qk_scale).to(dot_t)
+    else:
+        qv = (qv.to(tl.float32) * qk_scale).to(pk_t)
     if HAS_EXACT:
         qx = tl.load(qx_ptr + tok[:, None] * stride_qxt + hq[:, None] * D + d[None, :], mask=qmask, other=0.0)
         qx = (qx.to(tl.float32) * qk_scale).to(dot_t)
@@ -253,7 +276,7 @@ def _paged_attn_kernel(
         else:
             kidx = _unpack_tile(kp_ptr, tokp, nmask, KEY_BITS, D, DP, BLOCK_N)
             kc = tl.load(kcb_ptr + kidx)
-            s = tl.dot(qv, tl.trans(kc.to(dot_t)))
+            s = tl.dot(qv, tl.trans(kc.to(pk_t)))
             s = s * tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
 
         if HAS_EXACT:
@@ -310,13 +333,16 @@ def _paged_attn_kernel(
             vidx = _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
             vc = tl.load(vcb_ptr + vidx)
             pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            acc += tl.dot(pp.to(dot_t), vc.to(dot_t))
+            acc += tl.dot(pp.to(pk_t), vc.to(pk_t))
         else:
             vidx = _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
             vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
             vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-            acc += tl.dot((pp * vsc[None, :]).to(dot_t), vidx.to(dot_t))
-            acc += tl.sum(pp * vze[None, :], 1)[:, None]
+            # v = zero + idx * scale = (zero + h * scale) + (idx - h) * scale with h = (2^b - 1) / 2:
+            # centred indices avoid cancelling two large terms after the low-precision dot.
+            HALF: tl.constexpr = ((1 << VAL_BITS) - 1) * 0.5
+            acc += tl.dot((pp * vsc[None, :]).to(pk_t), (vidx.to(tl.float32) - HALF).to(pk_t))
+            acc += tl.sum(pp * (vze + HALF * vsc)[None, :], 1)[:, None]
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     hoff = hq[:, None] * (NPART * D) + d[None, :]

@@ -24,6 +24,10 @@ def group_pad(group: int) -> int:
     return triton.next_power_of_2(group)
 
 
+# Benchmarks may pin a configuration per shape class ("decode" / "extend") to compare variants.
+OVERRIDES: dict[str, AttnConfig] = {}
+
+
 def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool) -> AttnConfig:
     """Decode (1 token), verify (a few tokens) and extend (long chunks) get different tiles.
 
@@ -40,10 +44,17 @@ def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool) -> 
         while bq * gp > 64 and bq > 1:
             bq //= 2
         bq = max(bq, 16 // gp)  # tl.dot needs at least 16 rows
+        if "decode" in OVERRIDES:
+            o = OVERRIDES["decode"]
+            return AttnConfig(bq, o.block_n, o.num_warps, o.num_stages)
         block_n = 32 if big_d else 64
         return AttnConfig(bq, block_n, 4, 2 if packed else 3)
-    # Extend: compute-bound, flash-attention style 64..128-row tiles.
-    rows = 64 if big_d else 128
+    # Extend: compute-bound, flash-attention style 64..128-row tiles (64 when decoding packed
+    # tiles or d = 256: a 128-row tile with two accumulators overflows shared memory).
+    rows = 64 if (big_d or packed) else 128
+    if "extend" in OVERRIDES:
+        o = OVERRIDES["extend"]
+        return AttnConfig(max(1, o.block_q // gp), o.block_n, o.num_warps, o.num_stages)
     bq = max(1, rows // gp)
     block_n = 32 if big_d else 64
     return AttnConfig(bq, block_n, 8, 2)

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller contexts (smoke run)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--sweep", action="store_true", help="also time decode tile variants")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -201,6 +202,22 @@ def main(argv: list[str] | None = None) -> int:
         c.free()
         del c
         torch.cuda.empty_cache()
+    # ---- decode tile sweep (chooses tuning.py's decode entry; reported, not used above)
+    if args.sweep:
+        from tqserve.attention import tuning
+
+        for p in [x for x in ("turboquant_4bit_nc", "tq4") if x in presets]:
+            c = Case(p, 32, ctx, 1, hq, hkv, d, dev)
+            for bn, nw, ns in ((32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 2, 2)):
+                tuning.OVERRIDES["decode"] = tuning.AttnConfig(1, bn, nw, ns)
+                try:
+                    record(f"sweep {p} bn={bn} w={nw} s={ns}", _bench(c.run), c.bytes, sd_ms)
+                except Exception as e:  # out of resources: report and go on
+                    print(f"sweep {p} bn={bn} w={nw} s={ns}: {type(e).__name__}", flush=True)
+                tuning.OVERRIDES.clear()
+            c.free()
+            del c
+            torch.cuda.empty_cache()
     # ---- verify 32 x (1+4) x ctx
     for p in [x for x in ("auto", "turboquant_4bit_nc", "tq4") if x in presets]:
         c = Case(p, 32, ctx, 5, hq, hkv, d, dev)
