@@ -157,10 +157,14 @@ class GatedDeltaNet(nn.Module):
         if x.is_cuda and info.meta.max_query_len == 1:
             from tqserve.ops.gdn.recurrent_triton import gdn_decode
 
+            # One row per request; rows past num_reqs (padding of a captured batch) stay zero.
+            n = info.meta.num_reqs
             core = gdn_decode(
-                mixed_qkv, a, b, self.conv_weight, self.A_log, self.dt_bias, conv_pool, ssm_pool,
-                info.meta.seq_slots[:t], info.meta.seq_lens[:t], (self.hk, self.dk, self.hv, self.dv),
+                mixed_qkv[:n], a[:n], b[:n], self.conv_weight, self.A_log, self.dt_bias, conv_pool, ssm_pool,
+                info.meta.seq_slots[:n], info.meta.seq_lens[:n], (self.hk, self.dk, self.hv, self.dv),
             )  # fmt: skip
+            if n < t:
+                core = torch.cat([core, core.new_zeros(t - n, self.hv, self.dv)])
         elif x.is_cuda and info.fla is not None:
             from tqserve.ops.gdn.fla_ops import gdn_prefill_fla
 
