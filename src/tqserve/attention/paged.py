@@ -29,6 +29,7 @@ import triton.language as tl
 from tqserve.attention.tuning import group_pad, pick_config, pick_splits
 
 DENSE, CODEBOOK, MINMAX = 0, 1, 2
+LAST_LAUNCH: dict = {}  # the last compiled attention kernel (benchmarks read registers / spills)
 LOG2E = 1.4426950408889634
 
 
@@ -447,7 +448,7 @@ def paged_attention(
     q = _row_major(q)
     k_new = _row_major(k_new)
     v_new = _row_major(v_new)
-    cfg = pick_config(meta.max_query_len, group, d, layout.packed)
+    cfg = pick_config(meta.max_query_len, group, d, layout.packed, bool(layout.sink or layout.window))
     n_qblocks = triton.cdiv(max(1, meta.max_query_len), cfg.block_q)
     splits = num_splits or pick_splits(meta.num_reqs, hkv, n_qblocks, meta.max_seq_len, cfg.block_n, _num_sms(dev))
     tiles = triton.cdiv(max(1, meta.max_seq_len), cfg.block_n)
@@ -482,7 +483,7 @@ def paged_attention(
     stride_os = part.stride(0) if part.dim() == 4 and not direct else 0
     stride_ot = hq * npart * d
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
-    _paged_attn_kernel[grid](
+    LAST_LAUNCH["kernel"] = _paged_attn_kernel[grid](
         q, qx, k_new, v_new, kp, ks, vp, vs, vz, kcb, vcb, rk, rv, sk, sv,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.seq_slots, meta.sink_slots,
         part, lse,

@@ -28,7 +28,7 @@ def group_pad(group: int) -> int:
 OVERRIDES: dict[str, AttnConfig] = {}
 
 
-def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool) -> AttnConfig:
+def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool, exact: bool = False) -> AttnConfig:
     """Decode (1 token), verify (a few tokens) and extend (long chunks) get different tiles.
 
     Rows of a program are (query token, query head of the KV head): decode packs the GQA group
@@ -57,7 +57,9 @@ def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool) -> 
         return AttnConfig(max(1, o.block_q // gp), o.block_n, o.num_warps, o.num_stages)
     bq = max(1, rows // gp)
     block_n = 32 if big_d else 64
-    return AttnConfig(bq, block_n, 8, 2)
+    # exact sink/window tiles add a second key tile, a second value tile and (rotated values) a
+    # second accumulator: one pipeline stage keeps that under the 227 KB of shared memory.
+    return AttnConfig(bq, block_n, 8, 1 if (exact or big_d) else 2)
 
 
 def pick_splits(num_reqs: int, num_kv_heads: int, num_qblocks: int, max_seq_len: int, block_n: int, sms: int) -> int:

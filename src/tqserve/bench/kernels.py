@@ -199,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     for p in presets:
         c = Case(p, 32, ctx, 1, hq, hkv, d, dev)
         decode_ms[p] = record(f"paged {p} decode 32x{ctx}", _bench(c.run), c.bytes, sd_ms)
+        from tqserve.attention.paged import LAST_LAUNCH
+
+        ck = LAST_LAUNCH.get("kernel")
+        if ck is not None:
+            regs, spills = getattr(ck, "n_regs", "?"), getattr(ck, "n_spills", "?")
+            rows[-1].update(regs=regs, spills=spills)
+            print(f"    regs {regs} spills {spills} shared {ck.metadata.shared}", flush=True)
         c.free()
         del c
         torch.cuda.empty_cache()
