@@ -53,7 +53,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, loaded: tuple | None = None) -> None:
+        """`loaded`: an already loaded (model, hf_config, tokenizer) to share weights between
+        engines (tests and evaluations compare configurations on one model); the caller vouches
+        that it matches args.model, dtype and device."""
         from tqserve.models.loader import load_model
 
         self.args = args
@@ -61,7 +64,7 @@ class LLMEngine:
         dtype = resolve_dtype(args.dtype, device)
         torch.manual_seed(args.seed)
         t0 = time.monotonic()
-        model, hf_config, tokenizer = load_model(args.model, dtype, device)
+        model, hf_config, tokenizer = loaded or load_model(args.model, dtype, device)
         self.tokenizer = tokenizer
         if args.chat_template is not None:
             tokenizer.hf.chat_template = _read_template(args.chat_template)

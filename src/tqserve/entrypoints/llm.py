@@ -17,8 +17,10 @@ PromptType = str | dict
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
+    def __init__(self, model: str | None = None, loaded: tuple | None = None, **engine_args) -> None:
+        """`loaded`: (model, hf_config, tokenizer) from `tqserve.models.loader.load_model`, to
+        share one set of weights between several engines."""
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args), loaded=loaded)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
