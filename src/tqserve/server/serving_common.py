@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import inspect
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -120,8 +121,9 @@ def _sampling_param_names() -> set[str] | None:
 
 
 def _param_in_message(message: str, names: list[str]) -> str | None:
+    """The request field an engine ValueError names (as a whole word), if any."""
     for name in sorted(names, key=len, reverse=True):
-        if name in message:
+        if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message):
             return name
     return None
 
