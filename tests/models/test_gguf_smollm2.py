@@ -50,20 +50,26 @@ def test_config_and_tokenizer(smollm2):
     assert tokenizer.decode(ids) == prompt
 
 
-def test_logits_match_transformers(smollm2, hf_reference):
-    model, _, tokenizer = smollm2
-    ids = torch.tensor(tokenizer.apply_chat_template(MESSAGES, tokenize=True), dtype=torch.int64)
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    """The chat prompt plus the start of the expected answer (teacher forcing: one forward)."""
+    tokenizer = smollm2[2]
+    ids = tokenizer.apply_chat_template(MESSAGES, tokenize=True)
+    ids += tokenizer.encode("The capital of France is", add_special_tokens=False)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def test_logits_match_transformers(smollm2, hf_reference, prompt_ids):
+    model, cfg, tokenizer = smollm2
+    for key in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "rms_norm_eps", "vocab_size"):
+        assert getattr(cfg, key) == getattr(hf_reference.config, key), key
+    assert cfg.rope_parameters["rope_theta"] == hf_reference.config.rope_parameters["rope_theta"]
     with torch.no_grad():
-        ref = hf_reference(ids[None]).logits[0].float()
-    assert_logits_match(tqserve_logits(model, ids), ref)
-
-
-def test_greedy_answer_is_sensible(smollm2):
-    model, _, tokenizer = smollm2
-    ids = torch.tensor(tokenizer.apply_chat_template(MESSAGES, tokenize=True), dtype=torch.int64)
-    for _ in range(8):
-        ids = torch.cat([ids, tqserve_logits(model, ids)[-1].argmax().view(1)])
-    assert "Paris" in tokenizer.decode(ids[-8:])  # "The capital of France is Paris."
+        ref = hf_reference(prompt_ids[None]).logits[0].float()
+    ours = tqserve_logits(model, prompt_ids)
+    assert_logits_match(ours, ref)
+    # The dequantized, un-permuted model answers the question.
+    assert tokenizer.decode([int(ours[-1].argmax())]) == " Paris"
 
 
 @pytest.mark.parametrize("text", ["Hello 😀👍🏽 world", "日本語のテキストと中文混合 한국어 café"])
