@@ -9,14 +9,15 @@ import torch
 from test_hf_models import assert_logits_match, tqserve_logits
 
 from tqserve.models.default_model import default_model_path
-from tqserve.models.loader import load_model
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load_model(None, torch.float32, "cpu")
+def smollm2(smollm_loaded):
+    """(model, hf_config, tokenizer) of the default model, float32, loaded once per session
+    by `load_model(None, ...)` (tests/conftest.py)."""
+    return smollm_loaded
 
 
 @pytest.fixture(scope="module")

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from model_factory import write_tiny_checkpoint
-from sdpa_backend import PrefillSDPABackend
+from paged_runner import PagedRunner, prefill_logits
 
-from tqserve.layers.attention import ForwardContext
 from tqserve.models.loader import load_model
 
 PROMPT = "the quick brown fox jumps over the lazy dog, then the cat: 日本 😀!"
 
 
 def tqserve_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(input_ids.shape[0], dtype=torch.int64)
-    ctx = ForwardContext(PrefillSDPABackend(), None)
-    with torch.no_grad():
-        return model.compute_logits(model(input_ids, positions, ctx))
+    """One request prefilled in one step through the reference paged attention backend."""
+    return prefill_logits(model, input_ids)
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -50,22 +45,30 @@ def test_tiny_model_matches_transformers(tmp_path, arch):
     assert relative_error(other, ref) > 1e-2
 
 
-def test_batched_requests_match_single(tmp_path):
-    """Flat layout: two requests concatenated in one step give each request's own logits."""
+def test_chunked_prefill_batching_and_decode_match_single_prefill(tmp_path):
+    """Flat layout over real pages: one request prefilled in two chunks, batched with another
+    request, then decoded token by token, gives the logits of a single full prefill."""
     write_tiny_checkpoint(tmp_path, "qwen3")
     model, _, tokenizer = load_model(str(tmp_path), torch.float32, "cpu")
-    a = torch.tensor(tokenizer.encode("hello there"), dtype=torch.int64)
-    b = torch.tensor(tokenizer.encode("日本語のテキスト"), dtype=torch.int64)
-
-    # The test backend reads only the host copy of the request boundaries.
-    meta = SimpleNamespace(query_start_loc_cpu=[0, a.numel(), a.numel() + b.numel()])
-
-    ids = torch.cat([a, b])
-    positions = torch.cat([torch.arange(a.numel()), torch.arange(b.numel())])
-    with torch.no_grad():
-        both = model.compute_logits(model(ids, positions, ForwardContext(PrefillSDPABackend(), meta)))
-    torch.testing.assert_close(both[: a.numel()], tqserve_logits(model, a), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(both[a.numel() :], tqserve_logits(model, b), rtol=1e-5, atol=1e-5)
+    a = tokenizer.encode("hello there, general kenobi")
+    b = tokenizer.encode("日本語のテキスト")
+    full_a, full_b = tqserve_logits(model, torch.tensor(a)), tqserve_logits(model, torch.tensor(b))
+    runner = PagedRunner(model, max_reqs=2)
+    cut = 11
+    first = runner.step([(0, 0, a[:cut]), (1, 0, b[:-3])])
+    second = runner.step([(1, len(b) - 3, b[-3:-2]), (0, cut, a[cut:])])
+    decode = [
+        runner.step([(0, len(a) + i, [t]), (1, len(b) - 2 + i, [b[len(b) - 2 + i]])]) for i, t in enumerate([5, 6])
+    ]
+    kw = {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(first[:cut], full_a[:cut], **kw)
+    torch.testing.assert_close(first[cut:], full_b[:-3], **kw)
+    torch.testing.assert_close(second[0], full_b[-3], **kw)
+    torch.testing.assert_close(second[1:], full_a[cut:], **kw)
+    torch.testing.assert_close(decode[0][1], full_b[-2], **kw)
+    torch.testing.assert_close(decode[1][1], full_b[-1], **kw)
+    extended = tqserve_logits(model, torch.tensor([*a, 5, 6]))
+    torch.testing.assert_close(torch.stack([decode[0][0], decode[1][0]]), extended[-2:], **kw)
 
 
 def test_bfloat16_close_to_float32(tmp_path):
