@@ -77,11 +77,11 @@ def test_null_slot_is_skipped(pair):
     assert all(float(t[1].abs().max()) == 0.0 and float(t[3:].abs().max()) == 0.0 for t in drv.pool.ssm)
 
 
-@pytest.mark.parametrize("chunk", [5, 4096])
-def test_greedy_matches_transformers(pair, chunk):
+def test_greedy_matches_transformers(pair):
+    """4 prompts batched, chunked prefill (5 tokens per request per step) then decode, 32 tokens each."""
     _, hf_model, ours = pair
     prompts = [_prompt(n, 10 + n) for n in (3, 17, 40, 9)]
-    got = hf.Driver(ours).generate(prompts, max_new=32, chunk=chunk)
+    got = hf.Driver(ours).generate(prompts, max_new=32, chunk=5)
     hf_model.generation_config.eos_token_id = None
     for prompt, tokens in zip(prompts, got):
         ids = torch.tensor([prompt])
