@@ -74,7 +74,9 @@ class KVCacheManager:
         tokens they cover, where computation resumes (earlier than the hit when exact copies or a
         state must be rebuilt) and the state checkpoint to restore (hybrid models)."""
         lay = self.layout
-        if not lay.enable_prefix_caching:
+        sp = request.sampling_params
+        if not lay.enable_prefix_caching or sp.prompt_logprobs is not None or sp.prompt_logprobs_full:
+            # Prompt logprobs need every prompt position computed.
             return [], 0, 0, None
         # At least the last prompt token is always computed: its logits start generation.
         hashes = self._hash_blocks(request, request.num_tokens - 1)
