@@ -212,7 +212,7 @@ def load_tqserve_model(path: str, dtype=torch.float32, device="cpu"):
     }
     model = classes[cfg.architectures[0]](cfg, dtype)
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        model.load_weights((k, f.get_tensor(k)) for k in f)
+        model.load_weights((k, f.get_tensor(k)) for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     return model.to(device).eval()
 
 
