@@ -221,3 +221,29 @@ def test_parse_size(text, value):
 def test_parse_size_rejects_garbage():
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size("lots")
+
+
+def test_run_server_exits_1_when_the_model_cannot_load(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from srv_testlib import free_port
+
+    code = (
+        "import argparse, sys\n"
+        "from tqserve.server.args import add_serve_args\n"
+        "from tqserve.server.api_server import run_server\n"
+        "run_server(add_serve_args(argparse.ArgumentParser()).parse_args(sys.argv[1:]))\n"
+    )
+    missing = str(tmp_path / "no-such-model")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, missing, "--port", str(free_port()), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "engine failed to load" in proc.stderr

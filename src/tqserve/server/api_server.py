@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tqserve
-from tqserve.server.args import DEFAULT_MAX_BODY_BYTES, build_engine_args, model_name, resolve_chat_template
+from tqserve.server.args import DEFAULT_MAX_BODY_BYTES, build_engine_args, model_name
 from tqserve.server.async_engine import AsyncEngine
 from tqserve.server.errors import APIError, error_response, install_error_handlers
 from tqserve.server.metrics import ServerMetrics
@@ -56,7 +56,7 @@ class ServerConfig:
             model_path=model_name(args),
             api_key=args.api_key or None,
             max_body_bytes=args.max_request_body_bytes,
-            chat_template=resolve_chat_template(args.chat_template),
+            chat_template=None,  # the engine installs --chat-template on its tokenizer
             warmup=not args.no_warmup,
             log_requests=not args.disable_log_requests,
         )
@@ -94,6 +94,7 @@ def build_app(
         warmup=config.warmup,
         log_requests=config.log_requests,
         on_load_failure=on_load_failure,
+        on_ready=lambda: metrics.set_model_name(ctx.model_name),
     )
     ctx = _Context(config, async_engine)
 

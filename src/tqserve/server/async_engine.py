@@ -124,12 +124,14 @@ class AsyncEngine:
         warmup: bool = True,
         log_requests: bool = True,
         on_load_failure: Callable[[BaseException], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ):
         self._factory = engine_factory
         self.metrics = metrics
         self._warmup = warmup
         self._log_requests = log_requests
         self._on_load_failure = on_load_failure
+        self._on_ready = on_ready
         self._cmds: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -204,6 +206,8 @@ class AsyncEngine:
     def _load(self) -> None:
         t0 = time.monotonic()
         self.engine = self._factory()
+        if self._on_ready is not None:
+            self._on_ready()
         if self._warmup:
             self._run_warmup()
         self._update_stats()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -69,9 +70,13 @@ def sse_error_event(err: APIError) -> str:
     return f"data: {json.dumps(error_body(err.message, err.status, err.param, err.err_type))}\n\n"
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|dict|list|tuple|none)$|[\[\]]")
+
+
 def _param_from_loc(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    # FastAPI locations look like ("body", "messages", 0, "role"); drop "body" and join the rest.
-    parts = [str(p) for p in loc if p != "body"]
+    # FastAPI locations look like ("body", "messages", 0, "role"); for a union-typed field pydantic
+    # appends the member it tried ("stop", "str" or "list[str]"): keep only the field path.
+    parts = [str(p) for p in loc if p != "body" and not _UNION_MEMBER.search(str(p))]
     return ".".join(parts) if parts else None
 
 

@@ -70,6 +70,33 @@ class ServerMetrics:
         self._label = model_name
         # The engine reports cumulative totals; counters take increments.
         self._last_totals: dict[str, int] = {}
+        self._create_samples()
+
+    def _labelled(self) -> list:
+        return [v for v in vars(self).values() if isinstance(v, (Gauge, Counter, Histogram))]
+
+    def _create_samples(self) -> None:
+        # A labelled metric has no sample until its child exists: create them so a scrape sees every
+        # metric at zero from the start.
+        for metric in self._labelled():
+            if metric is self.request_success:
+                for reason in ("stop", "length"):
+                    metric.labels(model_name=self._label, finished_reason=reason)
+            else:
+                metric.labels(model_name=self._label)
+
+    def set_model_name(self, name: str) -> None:
+        """The label value, once the engine has said which model it serves (before any sample)."""
+        if name == self._label:
+            return
+        for metric in self._labelled():
+            if metric is self.request_success:
+                for reason in ("stop", "length"):
+                    metric.remove(self._label, reason)
+            else:
+                metric.remove(self._label)
+        self._label = name
+        self._create_samples()
 
     def label(self, metric):
         return metric.labels(model_name=self._label)

@@ -76,19 +76,21 @@ def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
     if req.tools:
         kwargs["tools"] = req.tools
     template = req.chat_template or ctx.chat_template
+    if template is not None:
+        kwargs["chat_template"] = template
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, chat_template=template, **kwargs
+        # tokenize=True: the rendered template already holds its special tokens, so none are added
+        # again (the same ids the offline LLM.chat uses).
+        ids = ctx.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, **kwargs
         )
     except APIError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # a template that rejects the conversation is a client error
         raise APIError(f"The chat template could not render these messages: {exc}", 400, "messages") from exc
-    return encode_prompt(ctx.tokenizer, text)
-
-
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text))
+    if isinstance(ids, str):  # a tokenizer whose template only renders text
+        ids = ctx.tokenizer.encode(ids, add_special_tokens=False)
+    return list(ids)
 
 
 def _logprob_content(ctx: ServingContext, token_ids: list[int], logprobs: list[dict], k: int) -> list:
