@@ -78,3 +78,23 @@ def test_incremental_detokenizer_real_vocab(smollm2, text):
     from test_tokenizer import assert_streams_exactly
 
     assert_streams_exactly(smollm2[2], text)
+
+
+def test_gguf_tokenizer_cache(tmp_path, monkeypatch, smollm2):
+    """The tokenizer converted from the GGUF file is saved once and reloaded identically."""
+    from gguf import GGUFReader
+
+    from tqserve.models import gguf_loader
+
+    monkeypatch.setenv("TQSERVE_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    reader = GGUFReader(path)
+    converted = gguf_loader.load_gguf_tokenizer(path, reader)
+    entry = gguf_loader._tokenizer_cache_dir(path)
+    assert os.path.isfile(os.path.join(entry, "tokenizer.json"))
+    cached = gguf_loader.load_gguf_tokenizer(path, reader)
+    text = "Hello world 😀 日本語 <|im_end|>"
+    for tok in (converted, cached):
+        assert tok.encode(text) == smollm2[2].encode(text)
+        assert tok.apply_chat_template(MESSAGES) == smollm2[2].apply_chat_template(MESSAGES)
+        assert (tok.eos_token_id, tok.bos_token_id, tok.stop_token_ids) == (2, 1, [2])

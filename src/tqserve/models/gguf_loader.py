@@ -8,8 +8,11 @@ head, so those rows are permuted back here.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import numpy as np
@@ -90,7 +93,8 @@ def load_gguf_config(path: str, reader: GGUFReader):
     num_heads = meta("attention.head_count")
     hidden = meta("embedding_length")
     names = {t.name for t in reader.tensors}
-    vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab = int(embed.shape[1])  # ne1 of [hidden, vocab]: may exceed the token list when padded
     rope = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
     scaling_type = meta("rope.scaling.type")
     if scaling_type == "linear":
@@ -124,15 +128,45 @@ def load_gguf_config(path: str, reader: GGUFReader):
     return cfg
 
 
+def _tokenizer_cache_dir(path: str) -> str:
+    """Where the tokenizer converted from this exact file (path, size, mtime) is kept."""
+    import transformers
+
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    root = os.environ.get("TQSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tqserve")
+    return os.path.join(root, "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
 def load_gguf_tokenizer(path: str, reader: GGUFReader):
+    """The tokenizer and chat template from the GGUF metadata, converted by transformers.
+
+    Conversion re-parses the whole file and rebuilds the BPE (seconds on a CPU), so the result is
+    saved in HF format under ~/.cache/tqserve (or $TQSERVE_CACHE_DIR) and reused while the file is
+    unchanged."""
     from tqserve.tokenizer import Tokenizer
 
-    directory, filename = os.path.split(os.path.abspath(path))
     # llama.cpp's end-of-turn tokens (Llama 3's <|eot_id|>, ...) also end a request.
     extra = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-    return Tokenizer.from_pretrained(
-        directory, gguf_file=filename, extra_stop_token_ids=[e for e in extra if e is not None]
-    )
+    extra = [int(e) for e in extra if e is not None]
+    cache = _tokenizer_cache_dir(path)
+    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+        try:
+            return Tokenizer.from_pretrained(cache, extra_stop_token_ids=extra)
+        except (OSError, ValueError):  # a corrupt or incompatible cache entry: convert again
+            shutil.rmtree(cache, ignore_errors=True)
+    directory, filename = os.path.split(os.path.abspath(path))
+    tokenizer = Tokenizer.from_pretrained(directory, gguf_file=filename, extra_stop_token_ids=extra)
+    tmp = None
+    try:  # write to a private folder, then rename: concurrent loaders never see half an entry
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
+        tokenizer.hf.save_pretrained(tmp)
+        os.replace(tmp, cache)
+    except OSError:  # read-only home, or another process won the rename: the cache is optional
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def iter_gguf_weights(reader: GGUFReader, hf_config, device=None) -> Iterator[tuple[str, torch.Tensor]]:
