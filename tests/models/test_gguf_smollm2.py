@@ -82,19 +82,30 @@ def test_incremental_detokenizer_real_vocab(smollm2, text):
 
 def test_gguf_tokenizer_cache(tmp_path, monkeypatch, smollm2):
     """The tokenizer converted from the GGUF file is saved once and reloaded identically."""
-    from gguf import GGUFReader
-
     from tqserve.models import gguf_loader
+    from tqserve.models.gguf_reader import GGUFFile
+    from tqserve.tokenizer import Tokenizer
 
+    session_tokenizer = smollm2[2]
+    real_from_pretrained = Tokenizer.from_pretrained
+    conversions = []
+
+    def from_pretrained(path, gguf_file=None, extra_stop_token_ids=()):
+        if gguf_file is None:
+            return real_from_pretrained(path, extra_stop_token_ids=extra_stop_token_ids)
+        conversions.append(gguf_file)  # the session fixture already paid for a real conversion
+        return session_tokenizer
+
+    monkeypatch.setattr(Tokenizer, "from_pretrained", staticmethod(from_pretrained))
     monkeypatch.setenv("TQSERVE_CACHE_DIR", str(tmp_path))
     path = default_model_path()
-    reader = GGUFReader(path)
-    converted = gguf_loader.load_gguf_tokenizer(path, reader)
+    reader = GGUFFile(path)
+    gguf_loader.load_gguf_tokenizer(path, reader)
     entry = gguf_loader._tokenizer_cache_dir(path)
     assert os.path.isfile(os.path.join(entry, "tokenizer.json"))
     cached = gguf_loader.load_gguf_tokenizer(path, reader)
+    assert len(conversions) == 1 and cached is not session_tokenizer
     text = "Hello world 😀 日本語 <|im_end|>"
-    for tok in (converted, cached):
-        assert tok.encode(text) == smollm2[2].encode(text)
-        assert tok.apply_chat_template(MESSAGES) == smollm2[2].apply_chat_template(MESSAGES)
-        assert (tok.eos_token_id, tok.bos_token_id, tok.stop_token_ids) == (2, 1, [2])
+    assert cached.encode(text) == session_tokenizer.encode(text)
+    assert cached.apply_chat_template(MESSAGES) == session_tokenizer.apply_chat_template(MESSAGES)
+    assert (cached.eos_token_id, cached.bos_token_id, cached.stop_token_ids) == (2, 1, [2])

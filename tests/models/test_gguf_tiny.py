@@ -13,6 +13,7 @@ from test_gguf_quants import llama_cpp_permute
 from test_hf_models import assert_logits_match, tqserve_logits
 
 from tqserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+from tqserve.models.gguf_reader import GGUFFile
 from tqserve.models.llama import head_dim_of
 from tqserve.models.loader import build_model
 
@@ -94,7 +95,7 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch):
     reference = write_gguf(path, hf_model, arch)
     hf_model.load_state_dict(reference, strict=False)
 
-    reader = GGUFReader(str(path))
+    reader = GGUFFile(str(path))
     cfg = load_gguf_config(str(path), reader)
     assert cfg.architectures == [type(hf_model).__name__]
     assert cfg.tie_word_embeddings == hf_model.config.tie_word_embeddings
@@ -106,3 +107,22 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch):
     with torch.no_grad():
         ref = hf_model(ids[None]).logits[0].float()
     assert_logits_match(tqserve_logits(model, ids), ref)
+
+
+def test_reader_matches_gguf_py(tmp_path):
+    """Our header parser sees the same metadata and tensor bytes as gguf-py's GGUFReader."""
+    hf_model = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, hf_model, "qwen2")
+    ours, ref = GGUFFile(path), GGUFReader(path)
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue  # header values gguf-py exposes as fields
+        value, expected = ours.get(key), field.contents()
+        value = value.tolist() if isinstance(value, np.ndarray) else value
+        assert value == pytest.approx(expected) if isinstance(expected, float) else value == expected, key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for mine, theirs in zip(ours.tensors, ref.tensors, strict=True):
+        assert tuple(mine.shape) == tuple(int(x) for x in theirs.shape)
+        assert mine.tensor_type == theirs.tensor_type
+        assert np.array_equal(mine.data, np.asarray(theirs.data).reshape(-1).view(np.uint8))

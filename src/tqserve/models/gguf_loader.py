@@ -15,12 +15,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import quants as gguf_quants
 from tqdm import tqdm
 
 from tqserve.models.gguf_quants import dequantize
+from tqserve.models.gguf_reader import GGUFFile
 
 # GGUF general.architecture -> HF architecture name.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -68,17 +68,16 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.get(key, default)
 
 
 def _tensor(t, device) -> torch.Tensor:
     shape = tuple(int(x) for x in reversed(t.shape))  # GGML lists ne0 (innermost) first
-    return dequantize(np.asarray(t.data), t.tensor_type, shape, device)
+    return dequantize(t.data, t.tensor_type, shape, device)
 
 
-def load_gguf_config(path: str, reader: GGUFReader):
+def load_gguf_config(path: str, reader: GGUFFile):
     """An HF config built from the GGUF metadata (read from our own reader: transformers' GGUF
     config path parses the whole file again, which costs seconds for a 50k-token vocabulary)."""
     from transformers import AutoConfig
@@ -93,7 +92,7 @@ def load_gguf_config(path: str, reader: GGUFReader):
     num_heads = meta("attention.head_count")
     hidden = meta("embedding_length")
     names = {t.name for t in reader.tensors}
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embed = reader.tensor("token_embd.weight")
     vocab = int(embed.shape[1])  # ne1 of [hidden, vocab]: may exceed the token list when padded
     rope = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
     scaling_type = meta("rope.scaling.type")
@@ -101,10 +100,10 @@ def load_gguf_config(path: str, reader: GGUFReader):
         rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
     elif scaling_type not in (None, "none"):
         raise NotImplementedError(f"GGUF rope scaling {scaling_type!r} is not supported")
-    freq_factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freq_factors = reader.tensor("rope_freqs.weight")
     if freq_factors is not None:
-        # Llama 3.1+ GGUFs carry llama3 scaling as per-frequency divisors (stored as F32).
-        factors = [float(x) for x in np.asarray(freq_factors.data, dtype=np.float32).reshape(-1)]
+        # Llama 3.1+ GGUFs carry llama3 scaling as per-frequency divisors.
+        factors = [float(x) for x in gguf_quants.dequantize(freq_factors.data, freq_factors.tensor_type).reshape(-1)]
         rope.update(rope_type="freq_factors", factors=factors)
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[arch]
     cfg = AutoConfig.for_model(
@@ -138,7 +137,7 @@ def _tokenizer_cache_dir(path: str) -> str:
     return os.path.join(root, "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
-def load_gguf_tokenizer(path: str, reader: GGUFReader):
+def load_gguf_tokenizer(path: str, reader: GGUFFile):
     """The tokenizer and chat template from the GGUF metadata, converted by transformers.
 
     Conversion re-parses the whole file and rebuilds the BPE (seconds on a CPU), so the result is
@@ -169,7 +168,7 @@ def load_gguf_tokenizer(path: str, reader: GGUFReader):
     return tokenizer
 
 
-def iter_gguf_weights(reader: GGUFReader, hf_config, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader: GGUFFile, hf_config, device=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every weight of the file, with a progress bar."""
     arch = _field(reader, "general.architecture")
     for t in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):

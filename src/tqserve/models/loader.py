@@ -50,11 +50,10 @@ def load_hf_directory(directory: str, dtype: torch.dtype, device: torch.device):
 
 
 def load_gguf_file(path: str, dtype: torch.dtype, device: torch.device):
-    from gguf import GGUFReader
-
     from tqserve.models.gguf_loader import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+    from tqserve.models.gguf_reader import GGUFFile
 
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     hf_config = load_gguf_config(path, reader)
     model = build_model(hf_config, dtype, device)
     # Dequantize on the target device: much faster on a GPU than gguf-py's numpy path.
