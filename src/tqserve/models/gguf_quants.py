@@ -18,21 +18,30 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, k] bytes -> [n, 2k]: all low nibbles first, then all high nibbles (ggml's q4 order)."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+def _unpack_nibbles(qs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the nibbles of `qs` [..., k] into `out` [..., 2k] (float32): the k low nibbles first,
+    then the k high ones (ggml's q4 order). Writing into slices converts to float in the same pass;
+    loading runs this over every weight, so it avoids temporaries."""
+    k = qs.shape[-1]
+    out[..., :k] = qs & 0x0F
+    out[..., k:] = qs >> 4
+    return out
+
+
+def _empty(blocks: torch.Tensor, *shape: int) -> torch.Tensor:
+    return torch.empty(blocks.shape[0], *shape, dtype=torch.float32, device=blocks.device)
 
 
 def dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(blocks, 0))
 
 
 def dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).float() - 8)
+    return _unpack_nibbles(blocks[:, 2:], _empty(blocks, 32)).sub_(8).mul_(_f16(blocks, 0))
 
 
 def dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+    return _unpack_nibbles(blocks[:, 4:], _empty(blocks, 32)).mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
 
 
 def _q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,31 +55,30 @@ def _q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # d f16 | dmin f16 | scales[12] | qs[128]; 8 sub-blocks of 32 values.
+    # d f16 | dmin f16 | scales[12] | qs[128]; 8 sub-blocks of 32 values. Each 32-byte chunk of qs
+    # holds two sub-blocks: its low nibbles, then its high nibbles.
     n = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     scale, minimum = _q4_k_scales(blocks[:, 4:16])
-    qs = blocks[:, 16:].reshape(n, 4, 32)
-    # Each 32-byte chunk holds two sub-blocks: low nibbles then high nibbles.
-    q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).float()
-    out = (d * scale).unsqueeze(-1) * q - (dmin * minimum).unsqueeze(-1)
-    return out.reshape(n, 256)
+    q = _unpack_nibbles(blocks[:, 16:].reshape(n, 4, 32), _empty(blocks, 4, 64)).view(n, 8, 32)
+    q.mul_((_f16(blocks, 0) * scale).unsqueeze(-1)).sub_((_f16(blocks, 2) * minimum).unsqueeze(-1))
+    return q.view(n, 256)
 
 
 def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     # ql[128] (low 4 bits) | qh[64] (high 2 bits) | scales[16] int8 | d f16; one scale per 16 values.
+    # Within each half of 128 values: groups 0,1 are the low nibbles of ql chunks 0,1; groups 2,3
+    # their high nibbles; group g takes bits 2g..2g+1 of qh.
     n = blocks.shape[0]
     ql = blocks[:, :128].reshape(n, 2, 2, 32)  # [half, 32-byte chunk, l]
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32).int()
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    d = _f16(blocks, 208)
-    # Within each half of 128 values: groups 0,1 are the low nibbles of chunks 0,1; groups 2,3 the
-    # high nibbles; group g takes bits 2g..2g+1 of qh.
-    low = torch.cat([ql & 0x0F, ql >> 4], dim=2).int()  # [n, 2, 4, 32]
-    shifts = torch.arange(0, 8, 2, device=blocks.device, dtype=torch.int32).view(1, 1, 4, 1)
-    high = (qh >> shifts) & 3
-    q = ((low | (high << 4)) - 32).reshape(n, 256).float()
-    return d * scales.repeat_interleave(16, dim=1) * q
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    q = torch.empty(n, 2, 4, 32, dtype=torch.uint8, device=blocks.device)
+    q[:, :, :2] = ql & 0x0F
+    q[:, :, 2:] = ql >> 4
+    shifts = torch.arange(0, 8, 2, device=blocks.device, dtype=torch.uint8).view(1, 1, 4, 1)
+    q |= ((qh >> shifts) & 3) << 4
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float().mul_(_f16(blocks, 208))
+    out = q.view(n, 16, 16).float().sub_(32)
+    return out.mul_(scales.unsqueeze(-1)).view(n, 256)
 
 
 _BLOCK_DEQUANT = {
