@@ -60,7 +60,7 @@ class Tokenizer:
     ) -> str | list[int]:
         """Render a conversation with the model's chat template: the prompt text, or its token ids
         with `tokenize=True` (the template already contains any special tokens, so none are added)."""
-        if self.hf.chat_template is None:
+        if self.hf.chat_template is None and kwargs.get("chat_template") is None:
             raise ValueError("this tokenizer has no chat template; pass a plain prompt instead")
         text = self.hf.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs

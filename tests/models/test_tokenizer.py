@@ -70,6 +70,16 @@ def test_chat_template(tokenizer):
     assert ids[0] == tokenizer.bos_token_id and tokenizer.decode(ids) == text
 
 
+def test_chat_template_override_and_missing_template():
+    hf = make_tiny_tokenizer()
+    hf.chat_template = None
+    tok = Tokenizer(hf)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template(messages)
+    assert tok.apply_chat_template(messages, chat_template="{{ messages[0]['content'] }}!") == "hi!"
+
+
 def test_stop_tokens_include_generation_config(tmp_path):
     hf = make_tiny_tokenizer()
     hf.save_pretrained(str(tmp_path))
