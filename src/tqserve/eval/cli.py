@@ -109,27 +109,49 @@ def cmd_ppl(args) -> None:
         rows.append({"preset": p, **_size_columns(p, args.head_dim, args.context), **r})
     rows.sort(key=lambda r: -r["bits"])
     res["rows"] = rows
-    print(
-        report.table(
-            rows,
-            [
-                ("preset", "preset", ""),
-                ("keys", "keys", ""),
-                ("values", "values", ""),
-                ("sink_window", "S/W", ""),
-                ("page_bytes", "page B/tok/head", "d"),
-                ("bits", f"bits/value @{args.context}", ".3f"),
-                ("capacity", "x bf16", ".2f"),
-                ("ppl", "ppl", ".4f"),
-                ("ppl_delta_pct", "ppl %", "+.2f"),
-                ("kl_mean", "mean KL", ".4f"),
-                ("kl_p99", "p99 KL", ".4f"),
-                ("top1_agree", "top-1", ".4f"),
-            ],
-        )
-    )
+    print(report.table(rows, _PPL_COLUMNS))
     report.plot_ppl(rows, os.path.join(args.out, "ppl.png"))
     print("wrote", report.write_json(args.out, "ppl.json", res))
+
+
+_PPL_COLUMNS = [
+    ("preset", "preset", ""),
+    ("keys", "keys", ""),
+    ("values", "values", ""),
+    ("sink_window", "S/W", ""),
+    ("page_bytes", "page B/tok/head", "d"),
+    ("bits", "bits/value", ".3f"),
+    ("capacity", "x bf16", ".2f"),
+    ("ppl", "ppl", ".4f"),
+    ("ppl_delta_pct", "ppl %", "+.2f"),
+    ("kl_mean", "mean KL", ".4f"),
+    ("kl_p99", "p99 KL", ".4f"),
+    ("top1_agree", "top-1", ".4f"),
+]
+
+
+def cmd_merge(args) -> None:
+    """Merge the rows of several `eval ppl` runs over the same text and windows into one table + plot."""
+    import json
+
+    from tqserve.eval import report
+
+    rows: dict[str, dict] = {}
+    meta = None
+    for path in args.inputs.split(","):
+        with open(path) as f:
+            data = json.load(f)
+        key = (data["window"], data["max_tokens"], data["num_windows"])
+        if meta is not None and key != meta:
+            raise SystemExit(f"{path}: different windows {key} vs {meta}")
+        meta = key
+        for r in data["rows"]:
+            rows.setdefault(r["preset"], r)
+    merged = sorted(rows.values(), key=lambda r: -r["bits"])
+    print(report.table(merged, _PPL_COLUMNS))
+    report.plot_ppl(merged, os.path.join(args.out, "ppl.png"))
+    out = {"window": meta[0], "max_tokens": meta[1], "num_windows": meta[2], "rows": merged}
+    print("wrote", report.write_json(args.out, "ppl.json", out))
 
 
 def cmd_needle(args) -> None:
@@ -192,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--lengths", default="1024,2048,4096,8192")
     n.add_argument("--depths", default="0.1,0.5,0.9")
     n.set_defaults(fn=cmd_needle)
+    m = sub.add_parser("merge", help="merge several `eval ppl` JSON files into one table + plot")
+    m.add_argument("--inputs", required=True, help="comma-separated ppl.json files")
+    m.add_argument("--out", default="eval_out")
+    m.set_defaults(fn=cmd_merge)
     return ap
 
 
