@@ -36,8 +36,21 @@ def _compare(preset: str, hkv: int, d: int, t: int, seed: int) -> None:
     keep = slots >= 0
     fmt.write(want, k[keep], v[keep], slots[keep])
     store_kv(got, StorePlan(fmt, DEV), k, v, slots)
+    # rows (slot, head) whose indices differ: their TurboQuant scale legitimately differs too
+    # (one flipped index moves <y, c> by about 1/d), so scales are compared on the other rows only
+    flipped = {}
+    for name in want:
+        if want[name].dtype == torch.uint8:
+            bits = want[name].shape[-1] * 8 // d
+            side = name.split("_")[0]
+            diff = (unpack_bits(want[name], bits, d) != unpack_bits(got[name], bits, d)).any(-1)
+            flipped[side] = flipped.get(side, torch.zeros_like(diff)) | diff
     for name in want:
         a, b = want[name], got[name]
+        if name.endswith("_scale") and name.split("_")[0] in flipped:
+            keep_rows = ~flipped[name.split("_")[0]]
+            assert keep_rows.float().mean() > 0.99
+            a, b = a[keep_rows], b[keep_rows]
         if a.dtype == torch.uint8:
             bits = a.shape[-1] * 8 // d
             mism = (unpack_bits(a, bits, d) != unpack_bits(b, bits, d)).float().mean().item()
@@ -47,8 +60,9 @@ def _compare(preset: str, hkv: int, d: int, t: int, seed: int) -> None:
             continue
         # the poison is NaN in fp8 / fp16: untouched slots must still hold it, on both sides
         assert torch.equal(a.float().isnan(), b.float().isnan()), f"{preset} {name}: written slots differ"
+        fp8 = a.dtype == torch.float8_e4m3fn
         a, b = a.float().nan_to_num(0.0), b.float().nan_to_num(0.0)
-        if want[name].dtype == torch.float8_e4m3fn:
+        if fp8:
             # The CPU interpreter rounds fp32 -> e4m3 wrongly next to powers of two (7.84 -> 4.0), and
             # on the GPU Triton's conversion differs from torch's by one e4m3 step on rare inputs
             # (seen on H200: max 3.6% of the row max). Same value almost everywhere, never further off.
