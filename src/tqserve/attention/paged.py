@@ -493,7 +493,8 @@ def paged_attention(
         HKV=hkv, G=group, GP=gp, D=d, DP=dp, BS=bs, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         KEY_MODE=layout.key_mode, KEY_BITS=layout.key_bits, KEY_SCALED=layout.key_scaled,
         VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, VAL_SCALED=layout.val_scaled,
-        SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1, DOT_F32=_interpreting() or q.dtype == torch.float32,
+        SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
+        DOT_F32=_interpreting() or q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:

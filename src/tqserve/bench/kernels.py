@@ -33,7 +33,6 @@ def copy_bandwidth(dev) -> float:
     a = torch.randn(n // 2, device=dev, dtype=torch.bfloat16)
     b = torch.empty_like(a)
     ms = _bench(lambda: b.copy_(a))
-    del a, b
     return 2 * n / (ms * 1e-3) / 1e9
 
 
@@ -119,7 +118,6 @@ def sdpa_decode_ms(n_req, ctx, qlen, hq, hkv, d, dev) -> tuple[float, float]:
     v = torch.randn_like(k)
     ms = _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     nbytes = 2 * k.numel() * 2
-    del q, k, v
     return ms, nbytes
 
 
