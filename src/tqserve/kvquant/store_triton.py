@@ -244,7 +244,7 @@ def store_kv(
     tq = plan.rot is not None
     bt = 64 if tq else 16
     args = []
-    for mode, _bits, pay, sc, zr, cb, bnd in plan.sides:
+    for _mode, _bits, pay, sc, zr, cb, bnd in plan.sides:
         p = pages[pay]
         args += [
             p,
