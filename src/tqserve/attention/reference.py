@@ -148,8 +148,8 @@ class ReferenceBackend(AttentionBackend):
             slot = meta.seq_slots_cpu[i]
             lo = max(0, start - f.window)
             p = torch.arange(lo, start, device=dev)
-            ke[lo:start] = rk[slot, :, p % f.window].float()
-            ve[lo:start] = rv[slot, :, p % f.window].float()
+            ke[lo:start] = rk[slot, :, p % f.window].transpose(0, 1).float()
+            ve[lo:start] = rv[slot, :, p % f.window].transpose(0, 1).float()
             has[lo:start] = True
         ke[start:] = k_new.float()
         ve[start:] = v_new.float()
