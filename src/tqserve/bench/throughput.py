@@ -18,20 +18,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_tqserve(loaded, batch: int, new_tokens: int, device: str, dtype: str, **engine_kwargs) -> float:
+def bench_tqserve(
+    loaded, batch: int, new_tokens: int, device: str, dtype: str, prompt_len: int = 0, **engine_kwargs
+) -> float:
+    """Output tokens/s of one batch, prompts included in the timing (as in transformers' generate).
+    With prompt_len > 0 the prompts are synthetic token ids of that length and only the decode
+    steps are timed (prefill is done first, then every request decodes new_tokens together)."""
     from tqserve import LLM, SamplingParams
 
-    llm = LLM(loaded=loaded, device=device, dtype=dtype, max_model_len=1024, max_num_seqs=max(batch, 1), **engine_kwargs)
+    max_len = max(1024, prompt_len + new_tokens + 16)
+    llm = LLM(
+        loaded=loaded, device=device, dtype=dtype, max_model_len=max_len, max_num_seqs=max(batch, 1), **engine_kwargs
+    )
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(["warm-up"], SamplingParams(temperature=0.0, max_tokens=4))
+    dev = torch.device(llm.engine.model_config.device)
+    if prompt_len:
+        vocab = llm.engine.model_config.vocab_size
+        prompts = [{"prompt_token_ids": [(7 + 31 * i + 17 * j) % vocab for j in range(prompt_len)]} for i in range(batch)]
+        return _decode_only(llm, prompts, params, dev)
     prompts = [f"{PROMPT} (variant {i})" for i in range(batch)]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    _sync(torch.device(llm.engine.model_config.device))
+    _sync(dev)
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
-    _sync(torch.device(llm.engine.model_config.device))
+    _sync(dev)
     dt = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
     return batch * new_tokens / dt
+
+
+def _decode_only(llm, prompts, params, dev) -> float:
+    """Prefill everything, then time the steps in which every request decodes one token."""
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"b{i}", p["prompt_token_ids"], params)
+    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+        eng.step()
+    _sync(dev)
+    t = time.perf_counter()
+    tokens = 0
+    while eng.has_unfinished_requests():
+        sched_before = len(eng.scheduler.running)
+        eng.step()
+        tokens += sched_before
+    _sync(dev)
+    return tokens / (time.perf_counter() - t)
 
 
 def bench_transformers(hf_model, tokenizer, batch: int, new_tokens: int, device: torch.device) -> float:
@@ -72,21 +103,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
+    p.add_argument("--prompt-len", type=int, default=0, help="synthetic prompts of this many tokens; time decode only")
+    p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
     loaded = load_model(None, dtype, device)
-    hf = load_hf_reference(dtype, device)
+    hf = None if args.skip_transformers else load_hf_reference(dtype, device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     rows = []
     for b in args.batch:
-        ref = bench_transformers(hf, loaded[2], b, args.new_tokens, device)
+        ref = bench_transformers(hf, loaded[2], b, args.new_tokens, device) if hf is not None else None
         for kv in args.kv_cache_dtype:
-            ours = bench_tqserve(loaded, b, args.new_tokens, str(device), dtype_name, kv_cache_dtype=kv)
-            rows.append({"batch": b, "kv_cache_dtype": kv, "tqserve_tok_s": ours, "transformers_tok_s": ref, "ratio": ours / ref})
-            print(f"batch {b:3d} kv={kv:12s} tqserve {ours:9.1f} tok/s  transformers {ref:9.1f} tok/s  ratio {ours / ref:5.2f}x")
+            ours = bench_tqserve(
+                loaded, b, args.new_tokens, str(device), dtype_name, args.prompt_len, kv_cache_dtype=kv
+            )
+            row = {"batch": b, "prompt_len": args.prompt_len, "kv_cache_dtype": kv, "tqserve_tok_s": ours}
+            line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} tqserve {ours:9.1f} tok/s"
+            if ref is not None:
+                row.update(transformers_tok_s=ref, ratio=ours / ref)
+                line += f"  transformers {ref:9.1f} tok/s  ratio {ours / ref:5.2f}x"
+            rows.append(row)
+            print(line, flush=True)
     result = {"card": card, "dtype": dtype_name, "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d"), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

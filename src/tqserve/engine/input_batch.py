@@ -45,9 +45,17 @@ class _Buffer:
 
 class InputBatchBuilder:
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        gdn_chunk: int = 0,
     ) -> None:
         self.device = device
+        # Hybrid models on CUDA: fla's chunk indices, built here so no kernel wrapper syncs.
+        self.gdn_chunk = gdn_chunk
         self.block_size = block_size
         self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)
         self.positions = _Buffer((max_num_tokens,), torch.int64, device)
@@ -114,6 +122,8 @@ class InputBatchBuilder:
             block_tables_cpu=tables,
             slot_mapping_cpu=slot_map,
         )
+        if self.gdn_chunk:
+            meta.extra["gdn_chunk_indices"] = self._gdn_chunk_indices(qsl)
         return StepInputs(
             input_ids=self.input_ids.upload(t),
             positions=meta.positions,
@@ -122,6 +132,17 @@ class InputBatchBuilder:
             sample_request_ids=sample_ids,
             prompt_rows=prompt_rows_host,
         )
+
+    def _gdn_chunk_indices(self, qsl: list[int]) -> torch.Tensor:
+        """[num_chunks, 2] (request index, chunk index within the request). A fresh tensor each
+        step: fla memoises chunk metadata by tensor identity."""
+        counts = -(-np.diff(np.asarray(qsl, dtype=np.int64)) // self.gdn_chunk)
+        req = np.repeat(np.arange(len(counts)), counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        host = torch.from_numpy(np.stack([req, within], axis=1))
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
 
 def build_sampling_batch(

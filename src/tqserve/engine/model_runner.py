@@ -72,8 +72,9 @@ class ModelRunner:
         self.state_bytes = state_bytes
         self.backend = self._make_backend()
         max_blocks = -(-max_model_len // config.block_size)
+        gdn_chunk = 64 if self.state_specs and device.type == "cuda" else 0
         self.builder = InputBatchBuilder(
-            self.max_num_tokens, config.max_num_seqs, max_blocks, config.block_size, device
+            self.max_num_tokens, config.max_num_seqs, max_blocks, config.block_size, device, gdn_chunk
         )
         self.sampler = Sampler(device, config.seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -84,12 +85,9 @@ class ModelRunner:
         if choice == "auto":
             choice = "triton" if self.device.type == "cuda" else "reference"
         if choice == "triton":
-            try:
-                from tqserve.attention.triton_backend import TritonBackend
-            except ImportError as e:  # the kernel family is optional until it lands
-                logger.warning("Triton attention backend unavailable (%s); using the torch reference", e)
-                return ReferenceBackend(self.store)
-            return TritonBackend(self.store)
+            from tqserve.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(self.store)
         return ReferenceBackend(self.store)
 
     def _exact_bytes_estimate(self) -> int:
