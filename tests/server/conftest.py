@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from srv_testlib import (
     API_KEY,
     CHAT_MESSAGES,

@@ -6,7 +6,6 @@ import json
 
 import httpx
 import pytest
-
 from srv_testlib import API_KEY, MAX_BODY_BYTES
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

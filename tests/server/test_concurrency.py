@@ -8,7 +8,6 @@ import time
 
 import httpx
 import openai
-
 from srv_testlib import API_KEY, CONCURRENT_MAX_TOKENS, CONCURRENT_PROMPTS, metric_value
 
 MODEL = "SmolLM2-135M-Instruct"

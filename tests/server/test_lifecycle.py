@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from srv_testlib import LiveServer
+
 from tqserve.outputs import CompletionOutput, RequestOutput
 from tqserve.server.api_server import ServerConfig, build_app
 from tqserve.server.args import add_serve_args, engine_kwargs, parse_size
-
-from srv_testlib import LiveServer
 
 
 class ByteTokenizer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from srv_testlib import CHAT_MESSAGES, COMPLETION_PROMPT, MAX_MODEL_LEN, REF_MAX_TOKENS, metric_value
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -93,6 +92,27 @@ def test_completion_echo(client, refs):
         model=MODEL, prompt=COMPLETION_PROMPT, max_tokens=REF_MAX_TOKENS, temperature=0, echo=True
     )
     assert r.choices[0].text == COMPLETION_PROMPT + refs.completion.text
+
+
+def test_completion_echo_logprobs_scores_the_prompt(client, refs):
+    # What lm-eval's loglikelihood requests look like: echo + logprobs + max_tokens=1.
+    n_prompt = len(refs.completion.prompt_ids)
+    for stream in (False, True):
+        kwargs = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 1, "temperature": 0}
+        r = client.completions.create(echo=True, logprobs=1, stream=stream, **kwargs)
+        if stream:
+            chunks = [c for c in r if c.choices]
+            text = "".join(c.choices[0].text for c in chunks)
+            tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            token_lps = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+        else:
+            lp = r.choices[0].logprobs
+            text, tokens, token_lps = r.choices[0].text, lp.tokens, lp.token_logprobs
+        assert text == COMPLETION_PROMPT + refs.completion.text[: len(text) - len(COMPLETION_PROMPT)]
+        assert len(tokens) == len(token_lps) == n_prompt + 1
+        assert "".join(tokens) == text
+        assert token_lps[0] is None
+        assert all(x is not None and x <= 0 for x in token_lps[1:])
 
 
 def test_n2_and_seed_reproducible(client):

@@ -307,8 +307,10 @@ class AsyncEngine:
             )
         live.num_cached = int(getattr(out, "num_cached_tokens", 0) or 0)
         prompt_logprobs = None
-        if not live.prompt_logprobs_sent and getattr(out, "prompt_logprobs", None) is not None:
-            prompt_logprobs = list(out.prompt_logprobs)
+        plp = getattr(out, "prompt_logprobs", None)
+        # Sent once, when complete: chunked prefill fills it over several steps.
+        if not live.prompt_logprobs_sent and plp is not None and len(plp) >= live.prompt_len:
+            prompt_logprobs = list(plp)
             live.prompt_logprobs_sent = True
         update = GenerationUpdate(
             request_id=out.request_id,

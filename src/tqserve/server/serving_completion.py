@@ -133,27 +133,22 @@ class _Run:
     async def collect(self) -> CompletionResponse:
         req = self.req
         texts: dict[int, list[str]] = {}
-        ntok: dict[int, int] = {}
+        tokens: dict[int, list[int]] = {}
+        lps: dict[int, list] = {}
         finish: dict[int, tuple[str | None, Any]] = {}
-        builders: dict[int, _LogprobBuilder] = {}
-        prompt_tokens = sum(len(ids) for ids, _ in self.prompts)
+        prompt_lps: dict[int, list] = {}
         cached: dict[int, int] = {}
         watcher = self._watch()
         try:
             async for i, upd in merge_streams(self.streams):
                 cached[i] = upd.num_cached_tokens
+                if upd.prompt_logprobs is not None:
+                    prompt_lps[i] = upd.prompt_logprobs
                 for c in upd.choices:
                     idx = i * self.n + c.index
-                    if idx not in texts:
-                        texts[idx] = [self._echo_text(i)] if req.echo else []
-                        if req.logprobs is not None:
-                            builders[idx] = _LogprobBuilder(self.ctx, req.logprobs)
-                            if req.echo:
-                                self._echo_logprobs(builders[idx], i, upd.prompt_logprobs)
-                    texts[idx].append(c.text)
-                    ntok[idx] = ntok.get(idx, 0) + len(c.token_ids)
-                    if idx in builders:
-                        builders[idx].add(c.token_ids, c.logprobs or [None] * len(c.token_ids))
+                    texts.setdefault(idx, []).append(c.text)
+                    tokens.setdefault(idx, []).extend(c.token_ids)
+                    lps.setdefault(idx, []).extend(c.logprobs or [None] * len(c.token_ids))
                     if c.finish_reason is not None:
                         finish[idx] = (c.finish_reason, c.stop_reason)
         except RequestAborted as exc:
@@ -164,22 +159,32 @@ class _Run:
             watcher.cancel()
         choices = []
         for idx in sorted(texts):
+            i = idx // self.n
+            logprobs = None
+            if req.logprobs is not None:
+                builder = _LogprobBuilder(self.ctx, req.logprobs)
+                if req.echo:
+                    self._echo_logprobs(builder, i, prompt_lps.get(i))
+                builder.add(tokens[idx], lps[idx])
+                logprobs = builder.take()
             reason, stop_reason = finish.get(idx, ("length", None))
+            echo = self._echo_text(i) if req.echo else ""
             choices.append(
                 CompletionChoice(
                     index=idx,
-                    text="".join(texts[idx]),
-                    logprobs=builders[idx].take() if idx in builders else None,
+                    text=echo + "".join(texts[idx]),
+                    logprobs=logprobs,
                     finish_reason=reason,
                     stop_reason=stop_reason,
                 )
             )
+        prompt_tokens = sum(len(ids) for ids, _ in self.prompts)
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.ctx.model_name,
             choices=choices,
-            usage=make_usage(prompt_tokens, sum(ntok.values()), sum(cached.values())),
+            usage=make_usage(prompt_tokens, sum(len(t) for t in tokens.values()), sum(cached.values())),
         )
 
     async def stream(self) -> AsyncIterator[str]:
@@ -189,6 +194,7 @@ class _Run:
         completion_tokens = 0
         cached: dict[int, int] = {}
         builders: dict[int, _LogprobBuilder] = {}
+        prompt_lps: dict[int, list] = {}
         started: set[int] = set()
 
         def chunk(choice: CompletionChoice) -> str:
@@ -202,18 +208,21 @@ class _Run:
         try:
             async for i, upd in merge_streams(self.streams):
                 cached[i] = upd.num_cached_tokens
+                if upd.prompt_logprobs is not None:
+                    prompt_lps[i] = upd.prompt_logprobs
                 for c in upd.choices:
                     idx = i * self.n + c.index
                     completion_tokens += len(c.token_ids)
                     prefix = ""
-                    if idx not in started:
+                    # The echo goes out with the first token, when the prompt's logprobs are complete.
+                    if idx not in started and (c.token_ids or c.finish_reason is not None):
                         started.add(idx)
                         if req.logprobs is not None:
                             builders[idx] = _LogprobBuilder(self.ctx, req.logprobs)
                         if req.echo:
                             prefix = self._echo_text(i)
                             if idx in builders:
-                                self._echo_logprobs(builders[idx], i, upd.prompt_logprobs)
+                                self._echo_logprobs(builders[idx], i, prompt_lps.get(i))
                     if idx in builders:
                         builders[idx].add(c.token_ids, c.logprobs or [None] * len(c.token_ids))
                     text = prefix + c.text
