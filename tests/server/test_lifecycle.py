@@ -40,6 +40,7 @@ class _Req:
     prompt: list[int]
     max_tokens: int
     out: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -49,9 +50,11 @@ class _ModelConfig:
 
 
 class FakeEngine:
-    """Emits 'a' once per step; `fail_on_step` makes that step raise."""
+    """Emits `script` one byte per step ('a' forever by default), cutting at a stop string the way
+    the real engine does (the text loses the stop string and what follows); `fail_on_step` raises."""
 
-    def __init__(self, fail_on_step: int | None = None):
+    def __init__(self, fail_on_step: int | None = None, script: str | None = None):
+        self.script = script
         self.tokenizer = ByteTokenizer()
         self.model_config = _ModelConfig()
         self.reqs: dict[str, _Req] = {}
@@ -60,7 +63,7 @@ class FakeEngine:
         self.aborted: list[str] = []
 
     def add_request(self, request_id, prompt_token_ids, params):
-        self.reqs[request_id] = _Req(list(prompt_token_ids), params.max_tokens or 8)
+        self.reqs[request_id] = _Req(list(prompt_token_ids), params.max_tokens or 8, stop=list(params.stop or []))
 
     def abort_request(self, request_ids):
         for rid in request_ids:
@@ -77,9 +80,14 @@ class FakeEngine:
         time.sleep(0.01)
         outs = []
         for rid, r in list(self.reqs.items()):
-            r.out.append(ord("a"))
+            r.out.append(ord(self.script[len(r.out)]) if self.script else ord("a"))
+            text = self.tokenizer.decode(r.out)
             done = len(r.out) >= r.max_tokens
-            comp = CompletionOutput(0, "a" * len(r.out), list(r.out), finish_reason="length" if done else None)
+            reason = "length" if done else None
+            for stop in r.stop:
+                if stop in text:
+                    text, done, reason = text[: text.index(stop)], True, "stop"
+            comp = CompletionOutput(0, text, list(r.out), finish_reason=reason)
             outs.append(RequestOutput(rid, None, r.prompt, [comp], done))
             if done:
                 del self.reqs[rid]
@@ -157,6 +165,20 @@ def test_engine_error_mid_stream_is_an_sse_error_event_and_serving_continues():
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "aa"
         r = httpx.get(srv.url + "/health")
         assert r.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_stream_never_shows_text_a_stop_string_later_removes():
+    # The stop string "world" arrives over five steps; the engine only cuts it at the last one.
+    srv = _serve(lambda: FakeEngine(script="hello world, again"))
+    try:
+        srv.wait_ready(30)
+        body = {"prompt": "x", "max_tokens": 16, "stop": ["world"], "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == "hello "
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
     finally:
         srv.stop()
 
