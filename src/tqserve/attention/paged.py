@@ -51,6 +51,8 @@ class PageLayout:
     val_zero_name: str | None = None  # min-max zero
     key_codebook: torch.Tensor | None = None  # [2^b] float32 centroids (scaled 1/sqrt(d))
     val_codebook: torch.Tensor | None = None
+    key_pairs: torch.Tensor | None = None  # [4^b] int32: fp16 c[p & M] | fp16 c[p >> b] << 16 (b <= 4)
+    val_pairs: torch.Tensor | None = None
     key_rotation: torch.Tensor | None = None  # R [d, d] float32, y = R x
     val_rotation: torch.Tensor | None = None
     sink: int = 0
@@ -107,11 +109,25 @@ def layout_for_format(fmt, device: torch.device | str) -> PageLayout:
             lay.key_mode, lay.key_bits, lay.key_scaled = mode, bits, scaled
             lay.key_name, lay.key_scale_name = names[0], names[1]
             lay.key_codebook, lay.key_rotation = cb, mat if mode == CODEBOOK else None
+            lay.key_pairs = pair_table(cb, bits) if mode == CODEBOOK else None
         else:
             lay.val_mode, lay.val_bits, lay.val_scaled = mode, bits, scaled
             lay.val_name, lay.val_scale_name, lay.val_zero_name = names
             lay.val_codebook, lay.val_rotation = cb, mat if mode == CODEBOOK else None
+            lay.val_pairs = pair_table(cb, bits) if mode == CODEBOOK else None
     return lay
+
+
+def pair_table(codebook: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """Two fp16 centroids per int32 entry, indexed by two consecutive b-bit indices (first one in the
+    low bits): one 4-byte L1 gather decodes two elements, already packed as the MMA operand wants.
+    None for b > 4 (a pair of more than 8 bits would not fit a small table)."""
+    if bits > 4:
+        return None
+    n = 1 << bits
+    h = codebook.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    p = torch.arange(n * n, device=codebook.device)
+    return (h[p % n] | (h[p // n] << 16)).to(torch.int32).contiguous()
 
 
 @triton.jit
@@ -156,6 +172,76 @@ def _unpack_tile(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.co
 
 
 @triton.jit
+def _load_words(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+    """int32 words [BN, DP // 8]: the 8 b-bit indices of each group of 8 coordinates (b <= 4)."""
+    G: tl.constexpr = DP // 8
+    NB: tl.constexpr = D * BITS // 8
+    g = tl.arange(0, G)
+    gm = nmask[:, None] & (g[None, :] < D // 8)
+    if BITS == 4:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + tok[:, None] * (NB // 4) + g[None, :], mask=gm, other=0)
+    elif BITS == 2:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + tok[:, None] * (NB // 2) + g[None, :], mask=gm, other=0)
+        w = w.to(tl.int32) & 0xFFFF
+    else:
+        base = ptr + tok[:, None] * NB + g[None, :] * BITS
+        w = tl.zeros([BN, G], dtype=tl.int32)
+        for kb in tl.static_range(BITS):
+            w = w | (tl.load(base + kb, mask=gm, other=0).to(tl.int32) << (8 * kb))
+    return w
+
+
+@triton.jit
+def _halves(t):
+    """int32 holding two fp16 -> (low fp16, high fp16)."""
+    lo = t.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _decode_pairs(ptr, tok, nmask, tbl_ptr, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+    """Centroids [BN, DP] fp16 of b-bit codebook indices (b <= 4) through the pair table: one int32
+    gather per two coordinates, split into the two fp16 halves (no conversion instruction)."""
+    w = _load_words(ptr, tok, nmask, BITS, D, DP, BN)
+    PM: tl.constexpr = (1 << (2 * BITS)) - 1
+    a0, b0 = _halves(tl.load(tbl_ptr + (w & PM)))  # coordinates 0, 1 of the group
+    a1, b1 = _halves(tl.load(tbl_ptr + ((w >> (2 * BITS)) & PM)))  # 2, 3
+    a2, b2 = _halves(tl.load(tbl_ptr + ((w >> (4 * BITS)) & PM)))  # 4, 5
+    a3, b3 = _halves(tl.load(tbl_ptr + ((w >> (6 * BITS)) & PM)))  # 6, 7
+    # element 2k + h: flattened dims (k // 2, k % 2, h); the outermost join is the fastest dim.
+    x = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
+    return tl.reshape(x, (BN, DP))
+
+
+@triton.jit
+def _decode_ints(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+    """1024 + idx [BN, DP] fp16 (exact) of b-bit indices (b <= 4), without int -> float conversions:
+    the index bits are or-ed into the mantissa of fp16 1024 (0x6400). 4-bit words make two halves
+    per shift-and-or."""
+    w = _load_words(ptr, tok, nmask, BITS, D, DP, BN)
+    if BITS == 4:
+        a0, b0 = _halves((w & 0x000F000F) | 0x64006400)  # coordinates 0, 4
+        a1, b1 = _halves(((w >> 4) & 0x000F000F) | 0x64006400)  # 1, 5
+        a2, b2 = _halves(((w >> 8) & 0x000F000F) | 0x64006400)  # 2, 6
+        a3, b3 = _halves(((w >> 12) & 0x000F000F) | 0x64006400)  # 3, 7
+        # element k + 4h: flattened dims (h, k // 2, k % 2)
+        x = tl.join(tl.join(tl.join(a0, b0), tl.join(a2, b2)), tl.join(tl.join(a1, b1), tl.join(a3, b3)))
+    else:
+        M: tl.constexpr = (1 << BITS) - 1
+        i0, _u = _halves((w & M) | 0x6400)
+        i1, _u = _halves(((w >> BITS) & M) | 0x6400)
+        i2, _u = _halves(((w >> (2 * BITS)) & M) | 0x6400)
+        i3, _u = _halves(((w >> (3 * BITS)) & M) | 0x6400)
+        i4, _u = _halves(((w >> (4 * BITS)) & M) | 0x6400)
+        i5, _u = _halves(((w >> (5 * BITS)) & M) | 0x6400)
+        i6, _u = _halves(((w >> (6 * BITS)) & M) | 0x6400)
+        i7, _u = _halves(((w >> (7 * BITS)) & M) | 0x6400)
+        x = tl.join(tl.join(tl.join(i0, i4), tl.join(i2, i6)), tl.join(tl.join(i1, i5), tl.join(i3, i7)))
+    return tl.reshape(x, (BN, DP))
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D] queries against page keys (rotated for codebook keys), any float dtype
     qx_ptr,  # [T, Hq, D] unrotated queries against exact keys (== q_ptr when keys are not rotated)
@@ -166,7 +252,7 @@ def _paged_attn_kernel(
     vp_ptr,
     vs_ptr,
     vz_ptr,
-    kcb_ptr,  # codebooks [2^b] float32
+    kcb_ptr,  # codebooks [2^b] float32, or pair tables [4^b] int32 (b <= 4)
     vcb_ptr,
     rk_ptr,  # ring [num_seq_slots, Hkv, W, D]
     rv_ptr,
@@ -275,8 +361,10 @@ def _paged_attn_kernel(
             if KEY_SCALED:
                 s = s * tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
         else:
-            kidx = _unpack_tile(kp_ptr, tokp, nmask, KEY_BITS, D, DP, BLOCK_N)
-            kc = tl.load(kcb_ptr + kidx)
+            if KEY_BITS <= 4:
+                kc = _decode_pairs(kp_ptr, tokp, nmask, kcb_ptr, KEY_BITS, D, DP, BLOCK_N)
+            else:
+                kc = tl.load(kcb_ptr + _unpack_tile(kp_ptr, tokp, nmask, KEY_BITS, D, DP, BLOCK_N))
             s = tl.dot(qv, tl.trans(kc.to(pk_t)))
             s = s * tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
 
@@ -331,11 +419,23 @@ def _paged_attn_kernel(
                 pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
             acc += tl.dot(pp.to(dot_t), vt.to(dot_t))
         elif VAL_MODE == 1:
-            vidx = _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
-            vc = tl.load(vcb_ptr + vidx)
+            if VAL_BITS <= 4:
+                vc = _decode_pairs(vp_ptr, tokp, nmask, vcb_ptr, VAL_BITS, D, DP, BLOCK_N)
+            else:
+                vc = tl.load(vcb_ptr + _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N))
             pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
             acc += tl.dot(pp.to(pk_t), vc.to(pk_t))
-        else:
+        elif VAL_BITS <= 4:
+            # v = zero + idx * scale = zero - 1024 * scale + (1024 + idx) * scale: the tile is 1024 + idx
+            # in fp16 (exact, no int -> float conversion); the 1024 * sum(p * scale) term is taken
+            # with the same fp16-rounded p * scale the dot used, so it cancels exactly up to fp32 sums.
+            vint = _decode_ints(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
+            vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+            vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+            ps = (pp * vsc[None, :]).to(pk_t)
+            acc += tl.dot(ps, vint.to(pk_t))
+            acc += tl.sum(pp * vze[None, :] - 1024.0 * ps.to(tl.float32), 1)[:, None]
+        else:  # 5..8-bit min-max values
             vidx = _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
             vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
             vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
@@ -474,8 +574,10 @@ def paged_attention(
     ks = pages[layout.key_scale_name] if layout.key_scale_name else dummy
     vs = pages[layout.val_scale_name] if layout.val_scale_name else dummy
     vz = pages[layout.val_zero_name] if layout.val_zero_name else dummy
-    kcb = layout.key_codebook if layout.key_codebook is not None else dummy
-    vcb = layout.val_codebook if layout.val_codebook is not None else dummy
+    kcb = layout.key_pairs if layout.key_pairs is not None else layout.key_codebook
+    vcb = layout.val_pairs if layout.val_pairs is not None else layout.val_codebook
+    kcb = kcb if kcb is not None else dummy
+    vcb = vcb if vcb is not None else dummy
     rk, rv = ring if ring is not None else (k_new, v_new)
     sk, sv = sinks if sinks is not None else (k_new, v_new)
     if layout.window and ring is None or layout.sink and sinks is None:

@@ -99,12 +99,12 @@ class Case:
         # fewest bytes: every page byte of every (request, key) read once + q / out
         self.bytes = n_req * (ctx + qlen) * self.fmt.page_bytes_per_token() + 2 * self.q.numel() * 2
 
-    def run(self):
+    def run(self, num_splits: int | None = None):
         from tqserve.attention.paged import paged_attention
 
         return paged_attention(
             self.q, self.k, self.v, self.pages, self.layout, self.meta, self.d**-0.5,
-            ring=self.ring, sinks=self.sinks, out=self.out,
+            ring=self.ring, sinks=self.sinks, out=self.out, num_splits=num_splits,
         )  # fmt: skip
 
     def free(self):
@@ -211,18 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         from tqserve.attention import tuning
 
-        for p in [x for x in ("turboquant_4bit_nc", "tq4") if x in presets]:
-            c = Case(p, 32, ctx, 1, hq, hkv, d, dev)
-            for bn, nw, ns in ((32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 2, 2)):
-                tuning.OVERRIDES["decode"] = tuning.AttnConfig(1, bn, nw, ns)
-                try:
-                    record(f"sweep {p} bn={bn} w={nw} s={ns}", _bench(c.run), c.bytes, sd_ms)
-                except Exception as e:  # out of resources: report and go on
-                    print(f"sweep {p} bn={bn} w={nw} s={ns}: {type(e).__name__}", flush=True)
-                tuning.OVERRIDES.clear()
-            c.free()
-            del c
-            torch.cuda.empty_cache()
+        tiles = ((64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 4, 1), (64, 8, 2), (128, 8, 2), (32, 4, 3), (128, 4, 2))
+        for p in [x for x in ("turboquant_4bit_nc", "tq4", "turboquant_3bit_nc") if x in presets]:
+            for n_req, L, split_list in ((32, ctx, (1, 2, 3, 4)), (1, long_ctx, (16, 33, 48, 64, 96, 128))):
+                c = Case(p, n_req, L, 1, hq, hkv, d, dev)
+                base = sd_ms if n_req > 1 else sdpa_decode_ms(1, long_ctx, 1, hq, hkv, d, dev)[0]
+                for bn, nw, ns in tiles if n_req > 1 or p == "turboquant_4bit_nc" else tiles[:1]:
+                    tuning.OVERRIDES["decode"] = tuning.AttnConfig(1, bn, nw, ns)
+                    try:
+                        record(f"sweep {p} {n_req}x{L} bn={bn} w={nw} s={ns}", _bench(c.run), c.bytes, base)
+                    except Exception as e:  # out of resources: report and go on
+                        print(f"sweep {p} bn={bn} w={nw} s={ns}: {type(e).__name__}", flush=True)
+                    tuning.OVERRIDES.clear()
+                for sp in split_list:
+                    record(f"sweep {p} {n_req}x{L} splits={sp}", _bench(lambda c=c, sp=sp: c.run(sp)), c.bytes, base)
+                c.free()
+                del c
+                torch.cuda.empty_cache()
     # ---- verify 32 x (1+4) x ctx
     for p in [x for x in ("auto", "turboquant_4bit_nc", "tq4") if x in presets]:
         c = Case(p, 32, ctx, 5, hq, hkv, d, dev)
