@@ -1,0 +1,51 @@
+"""Profile a few decode steps of the engine (GPU): where a step's time goes, per KV preset.
+
+python benchmarks/profile_decode.py --batch 64 --prompt-len 4096 --kv auto turboquant_4bit_nc
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tqserve import LLM, SamplingParams
+from tqserve.models.loader import load_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--kv", nargs="+", default=["auto"])
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    loaded = load_model(None, torch.bfloat16, "cuda")
+    for kv in args.kv:
+        llm = LLM(loaded=loaded, device="cuda", dtype="bfloat16", kv_cache_dtype=kv,
+                  max_model_len=args.prompt_len + 64, max_num_seqs=args.batch)
+        eng = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
+        vocab = eng.model_config.vocab_size
+        for i in range(args.batch):
+            eng.add_request(f"r{i}", [(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt_len)], params)
+        while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+            eng.step()
+        eng.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            for _ in range(args.steps):
+                eng.step()
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / args.steps
+        print(f"=== kv={kv}: {dt * 1e3:.1f} ms per decode step (batch {args.batch}, ctx {args.prompt_len})")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
