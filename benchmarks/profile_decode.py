@@ -23,8 +23,14 @@ def main() -> None:
     args = p.parse_args()
     loaded = load_model(None, torch.bfloat16, "cuda")
     for kv in args.kv:
-        llm = LLM(loaded=loaded, device="cuda", dtype="bfloat16", kv_cache_dtype=kv,
-                  max_model_len=args.prompt_len + 64, max_num_seqs=args.batch)
+        llm = LLM(
+            loaded=loaded,
+            device="cuda",
+            dtype="bfloat16",
+            kv_cache_dtype=kv,
+            max_model_len=args.prompt_len + 64,
+            max_num_seqs=args.batch,
+        )
         eng = llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
         vocab = eng.model_config.vocab_size

@@ -23,7 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_parse_bytes, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
     p.add_argument("--chat-template", default=None)
 
 

@@ -26,7 +26,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU: KV pool size (default 256 MiB)
     num_gpu_blocks_override: int | None = None
-    attention_backend: str = "auto"  # auto | reference | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | reference | triton
     mamba_checkpoint_interval: int = 512  # hybrid models: tokens between prefill state checkpoints
     num_state_checkpoints: int | None = None  # hybrid models: checkpoint slots (default 2*max_num_seqs)
     chat_template: str | None = None
@@ -51,8 +51,10 @@ class EngineArgs:
                 f"mamba_checkpoint_interval ({self.mamba_checkpoint_interval}) must be a multiple of "
                 f"block_size ({self.block_size})"
             )
-        if self.attention_backend not in ("auto", "reference", "triton"):
-            raise ValueError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "reference", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch, reference or triton, got {self.attention_backend!r}"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_invariance import GREEDY, mixed_prompts
+
 from tqserve import LLM
 
 pytestmark = pytest.mark.gpu
@@ -31,7 +31,15 @@ def loaded_gpu():
 def run(loaded, prompts, backend, kv, cfg):
     kw = dict(enable_prefix_caching=False, max_num_seqs=16)
     kw.update(cfg)
-    llm = LLM(loaded=loaded, device="cuda", dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv, max_model_len=1024, **kw)
+    llm = LLM(
+        loaded=loaded,
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend=backend,
+        kv_cache_dtype=kv,
+        max_model_len=1024,
+        **kw,
+    )
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     if kw["enable_prefix_caching"]:  # a second round served from the prefix cache
         first += [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]

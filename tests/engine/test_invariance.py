@@ -82,9 +82,7 @@ def test_prefix_cache_hits_change_nothing(smollm_loaded, reference, capsys):
 
 def test_preemption_changes_nothing(smollm_loaded, reference):
     prompts, expected = reference
-    got, llm = generate(
-        smollm_loaded, prompts, max_num_batched_tokens=512, num_gpu_blocks_override=40, max_num_seqs=16
-    )
+    got, llm = generate(smollm_loaded, prompts, max_num_batched_tokens=512, num_gpu_blocks_override=40, max_num_seqs=16)
     assert llm.engine.get_stats()["num_preemptions"] > 0
     assert got == expected
     assert llm.engine.get_stats()["num_free_blocks"] == 39

@@ -35,7 +35,9 @@ def bench_tqserve(
     dev = torch.device(llm.engine.model_config.device)
     if prompt_len:
         vocab = llm.engine.model_config.vocab_size
-        prompts = [{"prompt_token_ids": [(7 + 31 * i + 17 * j) % vocab for j in range(prompt_len)]} for i in range(batch)]
+        prompts = [
+            {"prompt_token_ids": [(7 + 31 * i + 17 * j) % vocab for j in range(prompt_len)]} for i in range(batch)
+        ]
         return _decode_only(llm, prompts, params, dev)
     prompts = [f"{PROMPT} (variant {i})" for i in range(batch)]
     _sync(dev)
@@ -71,7 +73,9 @@ def bench_transformers(hf_model, tokenizer, batch: int, new_tokens: int, device:
     if tokenizer.hf.pad_token is None:
         tokenizer.hf.pad_token = tokenizer.hf.eos_token
     enc = tokenizer.hf(prompts, return_tensors="pt", padding=True).to(device)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.hf.pad_token_id)
+    kw = dict(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.hf.pad_token_id
+    )
     with torch.inference_mode():
         hf_model.generate(**{k: v[:1] for k, v in enc.items()}, max_new_tokens=4, do_sample=False)
         _sync(device)
@@ -127,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                 line += f"  transformers {ref:9.1f} tok/s  ratio {ours / ref:5.2f}x"
             rows.append(row)
             print(line, flush=True)
-    result = {"card": card, "dtype": dtype_name, "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    result = {
+        "card": card,
+        "dtype": dtype_name,
+        "new_tokens": args.new_tokens,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

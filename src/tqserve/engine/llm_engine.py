@@ -97,7 +97,9 @@ class LLMEngine:
             has_state=bool(r.state_specs),
             num_checkpoint_slots=r.num_ckpt_slots,
             checkpoint_interval=args.mamba_checkpoint_interval,
-            cache_salt=hash((self.model_config.model, args.kv_cache_dtype, str(dtype), tuple(args.kv_cache_dtype_skip_layers))),
+            cache_salt=hash(
+                (self.model_config.model, args.kv_cache_dtype, str(dtype), tuple(args.kv_cache_dtype_skip_layers))
+            ),
         )
         self.kv = KVCacheManager(layout)
         self.scheduler = Scheduler(

@@ -40,7 +40,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.vocab_size = int(getattr(hf_config, "vocab_size"))
+        self.vocab_size = int(hf_config.vocab_size)
         self.max_num_tokens = config.max_num_batched_tokens
         self.formats = make_formats(model, config.kv_cache_dtype, config.kv_cache_dtype_skip_layers, dtype)
         self.sink = max((f.sink for f in self.formats), default=0)
@@ -48,7 +48,9 @@ class ModelRunner:
         self.state_specs = model.state_specs() if hasattr(model, "state_specs") else []
         self.num_seq_slots = config.max_num_seqs + 1
         self.num_ckpt_slots = (
-            (config.num_state_checkpoints or 2 * config.max_num_seqs) if self.state_specs and config.enable_prefix_caching else 0
+            (config.num_state_checkpoints or 2 * config.max_num_seqs)
+            if self.state_specs and config.enable_prefix_caching
+            else 0
         )
         self.state_pool = None
         if self.state_specs:
@@ -83,11 +85,15 @@ class ModelRunner:
     def _make_backend(self):
         choice = self.config.attention_backend
         if choice == "auto":
-            choice = "triton" if self.device.type == "cuda" else "reference"
+            choice = "triton" if self.device.type == "cuda" else "torch"
         if choice == "triton":
             from tqserve.attention.triton_backend import TritonAttentionBackend
 
             return TritonAttentionBackend(self.store)
+        if choice == "torch":
+            from tqserve.attention.torch_paged import TorchPagedBackend
+
+            return TorchPagedBackend(self.store)
         return ReferenceBackend(self.store)
 
     def _exact_bytes_estimate(self) -> int:
@@ -106,7 +112,9 @@ class ModelRunner:
         bs = self.config.block_size
         n = self.max_num_tokens
         blocks = -(-n // bs) + 1
-        store = KVCacheStore(self.formats, blocks, bs, self.num_seq_slots, 2 * self.config.max_num_seqs + 2, self.device)
+        store = KVCacheStore(
+            self.formats, blocks, bs, self.num_seq_slots, 2 * self.config.max_num_seqs + 2, self.device
+        )
         saved, self.store = getattr(self, "store", None), store
         backend = self._make_backend()
         from tqserve.core.outputs import ScheduledRequest

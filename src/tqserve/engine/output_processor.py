@@ -42,7 +42,9 @@ class OutputProcessor:
         for s in parent.samples:
             self.child_to_parent[s.request.request_id] = parent.request_id
 
-    def process(self, changed: list[Request], logprobs: dict, prompt_logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
+    def process(
+        self, changed: list[Request], logprobs: dict, prompt_logprobs: dict
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Returns outputs of parents that changed, and child ids to stop for a stop string."""
         touched: dict[str, ParentState] = {}
         stop_now: list[str] = []
