@@ -183,6 +183,29 @@ def test_stream_never_shows_text_a_stop_string_later_removes():
         srv.stop()
 
 
+class BrokenLoopEngine(FakeEngine):
+    """has_unfinished_requests() itself fails once a request is in: a bug outside step()."""
+
+    def has_unfinished_requests(self) -> bool:
+        if self.reqs:
+            raise RuntimeError("scheduler invariant broken")
+        return False
+
+
+def test_a_dead_engine_loop_fails_requests_and_health_instead_of_hanging():
+    srv = _serve(BrokenLoopEngine)
+    try:
+        srv.wait_ready(30)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 500 and "scheduler invariant broken" in r.json()["error"]["message"]
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and "engine loop died" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503
+    finally:
+        srv.stop()
+
+
 def test_engine_error_without_stream_is_a_500_envelope():
     srv = _serve(lambda: FakeEngine(fail_on_step=1))
     try:

@@ -192,7 +192,10 @@ def run_server(args: argparse.Namespace) -> None:
             server_box[0].should_exit = True
 
     app = build_app(config, factory, on_load_failure=stop_on_failure)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    # A bounded graceful shutdown: open streams are cut after 10 s instead of holding Ctrl-C forever.
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=10
+    )
     server = uvicorn.Server(uv_config)
     server_box.append(server)
     logger.info(

@@ -180,6 +180,16 @@ class AsyncEngine:
                 self._on_load_failure(exc)
             return
         self.ready = True
+        try:
+            self._serve_loop()
+        except Exception as exc:  # a bug in the loop itself: fail loudly instead of hanging clients
+            logger.exception("engine loop died")
+            self.ready = False
+            self.load_error = f"engine loop died: {type(exc).__name__}: {exc}"
+            self._abort_all(EngineStepError(self.load_error))
+            self._fail_pending(EngineStepError(self.load_error))
+
+    def _serve_loop(self) -> None:
         while True:
             busy = self.engine.has_unfinished_requests()
             try:
@@ -194,6 +204,7 @@ class AsyncEngine:
             for cmd in cmds:
                 if cmd[0] == "stop":
                     self._abort_all(RequestAborted("server shutting down"))
+                    self._fail_pending(RequestAborted("server shutting down"))
                     return
                 self._handle(cmd)
             stepped = False
@@ -202,6 +213,16 @@ class AsyncEngine:
                 stepped = True
             if cmds or stepped:
                 self._update_stats()
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        """Adds still queued when the loop ends would wait forever: fail them."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add" and cmd[5].set_running_or_notify_cancel():
+                cmd[5].set_exception(exc)
 
     def _load(self) -> None:
         t0 = time.monotonic()

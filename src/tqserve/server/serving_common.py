@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tqserve.server.async_engine import AsyncEngine, GenerationUpdate, RequestStream
+from tqserve.server.async_engine import AsyncEngine, EngineStepError, GenerationUpdate, RequestAborted, RequestStream
 from tqserve.server.errors import APIError
 from tqserve.server.protocol import PromptTokensDetails, UsageInfo
 
@@ -203,6 +203,10 @@ async def add_requests(async_engine: AsyncEngine, jobs: list[tuple[str, list[int
             s.abort()
         if isinstance(exc, ValueError):
             raise APIError(str(exc), 400, _param_in_message(str(exc), ["prompt", "max_tokens", "n", "seed"])) from exc
+        if isinstance(exc, RequestAborted):
+            raise APIError(str(exc), 503) from exc
+        if isinstance(exc, EngineStepError):
+            raise APIError(str(exc), 500) from exc
         raise
     return streams
 
