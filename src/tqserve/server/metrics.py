@@ -98,6 +98,9 @@ class ServerMetrics:
         self._label = name
         self._create_samples()
 
+    def count_success(self, finished_reason: str) -> None:
+        self.request_success.labels(model_name=self._label, finished_reason=finished_reason).inc()
+
     def label(self, metric):
         return metric.labels(model_name=self._label)
 
