@@ -41,12 +41,8 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _page_bytes(
-    cache: dict[str, torch.Tensor], num_blocks: int, block_size: int
-) -> int:
-    return sum(t.numel() * t.element_size() for t in cache.values()) // (
-        num_blocks * block_size
-    )
+def _page_bytes(cache: dict[str, torch.Tensor], num_blocks: int, block_size: int) -> int:
+    return sum(t.numel() * t.element_size() for t in cache.values()) // (num_blocks * block_size)
 
 
 @pytest.mark.parametrize("preset", ALL_PRESETS + EXTRA)
@@ -60,9 +56,7 @@ def test_page_bytes_match_report(preset, d):
         assert t.shape[:3] == (4, hkv, 16)
     info = describe_preset(preset, d)
     assert info["page_bytes_per_token_head"] * hkv == fmt.page_bytes_per_token()
-    assert info["bits_per_value_page"] == pytest.approx(
-        8 * fmt.page_bytes_per_token() / (hkv * 2 * d)
-    )
+    assert info["bits_per_value_page"] == pytest.approx(8 * fmt.page_bytes_per_token() / (hkv * 2 * d))
 
 
 def test_vllm_sizes_match_design_doc():
@@ -74,9 +68,7 @@ def test_vllm_sizes_match_design_doc():
 def test_sink_window_overhead_counted():
     info = describe_preset("tq_k4v3_ub_s4_w128", 64, context_len=4096)
     assert info["sink"] == 4 and info["window"] == 128
-    assert info["exact_overhead_bytes_per_token_head"] == pytest.approx(
-        132 * 2 * 64 * 2 / 4096
-    )
+    assert info["exact_overhead_bytes_per_token_head"] == pytest.approx(132 * 2 * 64 * 2 / 4096)
     page_bits = info["bits_per_value_page"]
     assert info["bits_per_value_total"] == pytest.approx(page_bits + 132 * 16 / 4096)
     fmt = make_layer_format("tq_k4v3_ub_s4_w128", 0, 3, 64, torch.float32)
@@ -116,26 +108,17 @@ def test_negative_slots_go_to_null_page():
     k = torch.randn(3, 2, 64)
     fmt.write(cache, k, k, torch.as_tensor([5, -1, 6]))
     for t in cache.values():
-        assert (
-            t[1:].flatten(1).any(1).sum() == 1
-        )  # only page 1 was written among real pages
+        assert t[1:].flatten(1).any(1).sum() == 1  # only page 1 was written among real pages
         assert t[2].abs().sum() == 0 if t.dtype.is_floating_point else t[2].sum() == 0
 
 
 def test_skip_layers_and_presets_parse():
-    fmt = make_layer_format(
-        "turboquant_3bit_nc", 1, 2, 64, torch.float32, skip_layers=[0, 1]
-    )
+    fmt = make_layer_format("turboquant_3bit_nc", 1, 2, 64, torch.float32, skip_layers=[0, 1])
     assert isinstance(fmt, ExactFormat) and fmt.storage_dtype == torch.float32
-    fmt = make_layer_format(
-        "turboquant_3bit_nc", 2, 2, 64, torch.float32, skip_layers=[0, 1]
-    )
+    fmt = make_layer_format("turboquant_3bit_nc", 2, 2, 64, torch.float32, skip_layers=[0, 1])
     assert isinstance(fmt, CodecFormat)
     assert vllm_boundary_skip_layers(30) == [0, 1, 28, 29]
-    assert (
-        make_layer_format("bfloat16", 0, 2, 64, torch.float32).storage_dtype
-        == torch.bfloat16
-    )
+    assert make_layer_format("bfloat16", 0, 2, 64, torch.float32).storage_dtype == torch.bfloat16
     with pytest.raises(ValueError):
         parse_preset("turboquant_9bit")
     with pytest.raises(ValueError):
@@ -148,3 +131,14 @@ def test_rotation_differs_per_layer_in_formats():
     a = make_layer_format("tq4", 0, 1, 64, torch.float32)
     b = make_layer_format("tq4", 1, 1, 64, torch.float32)
     assert not torch.equal(a.rotation.matrix, b.rotation.matrix)
+
+
+def test_layer_overrides_and_average_size():
+    over = {0: "tq_k8v8", 29: "auto"}
+    fmt = make_layer_format("tq3", 0, 1, 64, torch.float32, layer_overrides=over)
+    assert fmt.page_bytes_per_token() == describe_preset("fp8", 64)["page_bytes_per_token_head"]
+    assert isinstance(make_layer_format("tq3", 29, 1, 64, torch.float32, layer_overrides=over), ExactFormat)
+    info = describe_preset("tq3", 64, num_layers=30, layer_overrides=over)
+    one = describe_preset("tq3", 64)["bytes_total"]
+    expect = (28 * one + describe_preset("tq_k8v8", 64)["bytes_total"] + 256) / 30
+    assert info["bytes_total"] == pytest.approx(expect)

@@ -154,36 +154,53 @@ def cmd_merge(args) -> None:
     print("wrote", report.write_json(args.out, "ppl.json", out))
 
 
+def _needle_report(res: dict, out_dir: str) -> None:
+    from tqserve.eval import report
+
+    rows = [{"preset": p, **s} for p, s in res["summary"].items()]
+    cols = [
+        ("preset", "preset", ""),
+        ("found", "found", "d"),
+        ("cells", "cells", "d"),
+        ("missed_where_reference_found", "missed vs exact", "d"),
+        ("loglik_ok", "loglik within 5%", "d"),
+        ("max_abs_loglik_diff", "max |dLL|", ".3f"),
+    ]
+    print(report.table(rows, cols))
+    report.plot_needle(res, os.path.join(out_dir, "needle.png"))
+    print("wrote", report.write_json(out_dir, "needle.json", res))
+
+
 def cmd_needle(args) -> None:
     import torch
 
     from tqserve.eval import needle, report
 
     torch.set_num_threads(args.threads)
-    res = needle.run_needle(
+    raw = needle.run_needle(
         _text(args.text),
         _presets(args.presets),
         lengths=[int(x) for x in args.lengths.split(",")],
         depths=[float(x) for x in args.depths.split(",")],
         backend=args.backend,
+        with_reference=not args.no_reference,
         log=lambda s: print(s, flush=True),
     )
-    rows = [{"preset": p, **s} for p, s in res["summary"].items()]
-    print(
-        report.table(
-            rows,
-            [
-                ("preset", "preset", ""),
-                ("found", "found", "d"),
-                ("cells", "cells", "d"),
-                ("missed_where_reference_found", "missed vs exact", "d"),
-                ("loglik_ok", "loglik within 5%", "d"),
-                ("max_abs_loglik_diff", "max |dLL|", ".3f"),
-            ],
-        )
-    )
-    report.plot_needle(res, os.path.join(args.out, "needle.png"))
-    print("wrote", report.write_json(args.out, "needle.json", res))
+    report.write_json(args.out, "needle_raw.json", raw)
+    if not args.no_reference:
+        _needle_report(needle.finalize([raw]), args.out)
+
+
+def cmd_needle_merge(args) -> None:
+    import json
+
+    from tqserve.eval import needle
+
+    parts = []
+    for path in args.inputs.split(","):
+        with open(path) as f:
+            parts.append(json.load(f))
+    _needle_report(needle.finalize(parts), args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,7 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("needle", parents=[common], help="needle-in-a-haystack recall and answer log-likelihood")
     n.add_argument("--lengths", default="1024,2048,4096,8192")
     n.add_argument("--depths", default="0.1,0.5,0.9")
+    n.add_argument("--no-reference", action="store_true", help="skip the exact reference (join runs with needle-merge)")
     n.set_defaults(fn=cmd_needle)
+    nm = sub.add_parser("needle-merge", help="join `eval needle` raw JSON files (needle_raw.json) and compare")
+    nm.add_argument("--inputs", required=True)
+    nm.add_argument("--out", default="eval_out")
+    nm.set_defaults(fn=cmd_needle_merge)
     m = sub.add_parser("merge", help="merge several `eval ppl` JSON files into one table + plot")
     m.add_argument("--inputs", required=True, help="comma-separated ppl.json files")
     m.add_argument("--out", default="eval_out")

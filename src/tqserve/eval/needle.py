@@ -51,36 +51,58 @@ def run_needle(
     lengths=(1024, 2048, 4096, 8192),
     depths=(0.1, 0.5, 0.9),
     backend: str = "auto",
+    with_reference: bool = True,
     log=print,
 ) -> dict:
-    max_len = max(lengths)
-    runners = {p: make_runner(p, max_len, backend) for p in dict.fromkeys([REFERENCE, *presets])}
-    tok = runners[REFERENCE].tokenizer
+    """Score every (length, depth) cell for each preset (plus the exact reference unless told not to:
+    runs split over processes are joined by `finalize`)."""
+    names = list(dict.fromkeys(([REFERENCE] if with_reference else []) + list(presets)))
+    runners = {p: make_runner(p, max(lengths), backend) for p in names}
+    tok = next(iter(runners.values())).tokenizer
     hay = tok.encode(text, add_special_tokens=False)
     cells = []
     for li, length in enumerate(lengths):
         for di, depth in enumerate(depths):
             prompt, answer = build_case(tok, hay, length, depth, seed=1000 * li + di)
-            row = {"length": length, "depth": depth, "results": {}}
-            for p, r in runners.items():
-                row["results"][p] = score_case(r, prompt, answer)
-            ref = row["results"][REFERENCE]
-            for res in row["results"].values():
-                diff = res["loglik"] - ref["loglik"]
-                res["loglik_diff"] = diff
-                res["loglik_rel"] = diff / abs(ref["loglik"]) if ref["loglik"] else 0.0
-                # within 5%: relative to the reference log-likelihood, or the answer probability
-                # within 5% when the reference is nearly certain (|ll| < 1 nat)
-                res["loglik_ok"] = abs(diff) <= 0.05 * max(abs(ref["loglik"]), 1.0)
+            row = {
+                "length": length,
+                "depth": depth,
+                "results": {p: score_case(r, prompt, answer) for p, r in runners.items()},
+            }
             cells.append(row)
             log(
                 f"len {length} depth {depth:.2f}: "
                 + ", ".join(f"{p} {'Y' if r['found'] else 'n'} {r['loglik']:.3f}" for p, r in row["results"].items())
             )
+    return {"lengths": list(lengths), "depths": list(depths), "cells": cells}
+
+
+def finalize(parts: list[dict]) -> dict:
+    """Join per-process results on (length, depth), compare every preset with the reference, summarize."""
+    base = parts[0]
+    cells = {
+        (c["length"], c["depth"]): {"length": c["length"], "depth": c["depth"], "results": {}} for c in base["cells"]
+    }
+    for part in parts:
+        for c in part["cells"]:
+            cells[(c["length"], c["depth"])]["results"].update(c["results"])
+    cells = list(cells.values())
+    presets = list(dict.fromkeys(p for c in cells for p in c["results"]))
+    if REFERENCE not in presets:
+        raise ValueError("no reference results to compare with")
+    for c in cells:
+        ref = c["results"][REFERENCE]
+        for res in c["results"].values():
+            diff = res["loglik"] - ref["loglik"]
+            res["loglik_diff"] = diff
+            res["loglik_rel"] = diff / abs(ref["loglik"]) if ref["loglik"] else 0.0
+            # within 5%: relative to the reference log-likelihood, or the answer probability within
+            # about 5% when the reference is nearly certain (|ll| < 1 nat)
+            res["loglik_ok"] = abs(diff) <= 0.05 * max(abs(ref["loglik"]), 1.0)
     summary = {}
-    for p in runners:
-        rs = [c["results"][p] for c in cells]
-        refs = [c["results"][REFERENCE] for c in cells]
+    for p in presets:
+        rs = [c["results"][p] for c in cells if p in c["results"]]
+        refs = [c["results"][REFERENCE] for c in cells if p in c["results"]]
         summary[p] = {
             "found": sum(r["found"] for r in rs),
             "cells": len(rs),
@@ -88,4 +110,4 @@ def run_needle(
             "loglik_ok": sum(r["loglik_ok"] for r in rs),
             "max_abs_loglik_diff": max(abs(r["loglik_diff"]) for r in rs),
         }
-    return {"lengths": list(lengths), "depths": list(depths), "cells": cells, "summary": summary}
+    return {"lengths": base["lengths"], "depths": base["depths"], "cells": cells, "summary": summary}

@@ -43,7 +43,7 @@ VLLM_PRESETS = (
     "turboquant_3bit_nc",
 )
 # tqserve's recommended presets; chosen by the measurements in docs/kv-quality.md.
-ALIASES = {"tq4": "tq_k4v3_ub_s4_w128", "tq3": "tq_k3v2_ub_s4_w128"}
+ALIASES = {"tq4": "tq_k5v3_ub_s4_w32", "tq3": "tq_k4v2_ub_s4_w32"}
 TQSERVE_PRESETS = tuple(ALIASES)
 EXACT_PRESETS = ("auto", "bfloat16")
 ALL_PRESETS = EXACT_PRESETS + ("fp8",) + VLLM_PRESETS + TQSERVE_PRESETS
@@ -85,9 +85,7 @@ def parse_preset(name: str) -> PresetSpec:
         return PresetSpec(name, "tq", kb, "minmax", vb, "nc")
     m = _TQ_RE.match(canonical)
     if m is None:
-        raise ValueError(
-            f"unknown kv_cache_dtype preset {name!r}; known: {', '.join(ALL_PRESETS)} or tq_k<K>v<V>..."
-        )
+        raise ValueError(f"unknown kv_cache_dtype preset {name!r}; known: {', '.join(ALL_PRESETS)} or tq_k<K>v<V>...")
     kb, vb = int(m.group(1)), int(m.group(2))
     for b in (kb, vb):
         if not (2 <= b <= 6 or b == 8):
@@ -132,19 +130,17 @@ def make_layer_format(
     model_dtype: torch.dtype,
     skip_layers: Sequence[int] = (),
     seed: int = DEFAULT_SEED,
+    layer_overrides: dict[int, str] | None = None,
 ) -> LayerKVFormat:
     """The format of attention layer `layer_idx`. Layers in `skip_layers` (vLLM's
-    kv_cache_dtype_skip_layers) keep exact pages in the model dtype."""
+    kv_cache_dtype_skip_layers) keep exact pages in the model dtype; `layer_overrides` maps a layer
+    index to another preset name (per-layer bit choices)."""
+    if layer_overrides and layer_idx in layer_overrides:
+        preset_name = layer_overrides[layer_idx]
     spec = parse_preset(preset_name)
     if spec.key_kind == "exact" or layer_idx in set(skip_layers):
-        dtype = (
-            torch.bfloat16
-            if ALIASES.get(preset_name, preset_name) == "bfloat16"
-            else model_dtype
-        )
-        fmt = ExactFormat(
-            num_kv_heads, head_dim, model_dtype, layer_idx, storage_dtype=dtype
-        )
+        dtype = torch.bfloat16 if ALIASES.get(preset_name, preset_name) == "bfloat16" else model_dtype
+        fmt = ExactFormat(num_kv_heads, head_dim, model_dtype, layer_idx, storage_dtype=dtype)
         fmt.name = preset_name if spec.key_kind == "exact" else "auto"
         return fmt
     rot = Rotation(head_dim, layer_idx, seed)
@@ -153,9 +149,7 @@ def make_layer_format(
         head_dim,
         model_dtype,
         layer_idx,
-        _codec(
-            spec.key_kind, spec.key_bits, head_dim, rot, spec.scale_mode, model_dtype
-        ),
+        _codec(spec.key_kind, spec.key_bits, head_dim, rot, spec.scale_mode, model_dtype),
         _codec(
             spec.value_kind,
             spec.value_bits,
@@ -172,9 +166,7 @@ def make_layer_format(
 
 def vllm_boundary_skip_layers(num_layers: int, n: int = 2) -> list[int]:
     """vLLM's habit for aggressive presets on dense models: first n and last n layers kept exact."""
-    return sorted(
-        set(range(min(n, num_layers))) | set(range(max(0, num_layers - n), num_layers))
-    )
+    return sorted(set(range(min(n, num_layers))) | set(range(max(0, num_layers - n), num_layers)))
 
 
 def describe_preset(
@@ -184,6 +176,7 @@ def describe_preset(
     exact_bytes: int = 2,
     num_layers: int | None = None,
     skip_layers: Sequence[int] = (),
+    layer_overrides: dict[int, str] | None = None,
 ) -> dict:
     """Sizes per token and KV head (K and V together). Exact sink/window copies are counted at
     `exact_bytes` per value (bf16) and spread over `context_len` tokens; skipped layers count as bf16
@@ -195,9 +188,16 @@ def describe_preset(
     exact_tokens = min(spec.sink + spec.window, context_len)
     overhead = exact_tokens * 2 * head_dim * exact_bytes / context_len
     total = page + overhead
-    if num_layers and skip_layers:
-        ns = len(set(skip_layers) & set(range(num_layers)))
-        total = ((num_layers - ns) * total + ns * bf16) / num_layers
+    if num_layers and (skip_layers or layer_overrides):
+        per_layer = []
+        for i in range(num_layers):
+            if i in set(skip_layers):
+                per_layer.append(bf16)
+            elif layer_overrides and i in layer_overrides:
+                per_layer.append(describe_preset(layer_overrides[i], head_dim, context_len, exact_bytes)["bytes_total"])
+            else:
+                per_layer.append(total)
+        total = sum(per_layer) / num_layers
     kc = getattr(fmt, "key_codec", None)
     vc = getattr(fmt, "value_codec", None)
     return {
@@ -215,6 +215,7 @@ def describe_preset(
         "context_len": context_len,
         "exact_overhead_bytes_per_token_head": overhead,
         "bits_per_value_page": 8.0 * page / (2 * head_dim),
+        "bytes_total": total,
         "bits_per_value_total": 8.0 * total / (2 * head_dim),
         "capacity_vs_bf16": bf16 / total,
     }
