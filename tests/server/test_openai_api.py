@@ -197,6 +197,8 @@ def test_models_health_version(http):
     assert r.status_code == 200
     card = r.json()["data"][0]
     assert card["id"] == MODEL and card["max_model_len"] == MAX_MODEL_LEN
+    assert http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == MAX_MODEL_LEN
+    assert http.get("/v1/models/other").status_code == 404
     assert http.get("/health").json() == {"status": "ok"}
     assert "version" in http.get("/version").json()
 

@@ -132,6 +132,11 @@ def build_app(
         cards = [ModelCard(id=n, root=ctx.model_path or n, max_model_len=max_len) for n in ctx.served_model_names]
         return ModelList(data=cards)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)
+        return ModelCard(id=model_id, root=ctx.model_path or model_id, max_model_len=ctx.max_model_len)
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
         result = await create_chat_completion(ctx, body, raw.receive)
