@@ -37,6 +37,7 @@ def make_formats(model, preset: str, skip_layers: list[int], dtype: torch.dtype)
 class ModelRunner:
     def __init__(self, config, model, hf_config, device: torch.device, dtype: torch.dtype, max_model_len: int):
         self.config = config
+        self.max_model_len = max_model_len
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -110,8 +111,12 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         bs = self.config.block_size
-        n = self.max_num_tokens
-        blocks = -(-n // bs) + 1
+        # The largest step: max_num_batched_tokens tokens, as requests no longer than max_model_len
+        # (positions must stay inside the model's rotary tables).
+        n = min(self.max_num_tokens, (self.max_model_len - 1) * self.config.max_num_seqs)
+        lens = [min(self.max_model_len - 1, n - i) for i in range(0, n, self.max_model_len - 1)]
+        per_req = -(-max(lens) // bs)
+        blocks = per_req * len(lens) + 1
         store = KVCacheStore(
             self.formats, blocks, bs, self.num_seq_slots, 2 * self.config.max_num_seqs + 2, self.device
         )
@@ -119,10 +124,15 @@ class ModelRunner:
         backend = self._make_backend()
         from tqserve.core.outputs import ScheduledRequest
 
-        sched = SchedulerOutput(
-            requests=[ScheduledRequest("profile", [0] * n, 0, list(range(1, blocks)), 1, 0, 0, True)], num_tokens=n
-        )
-        builder = InputBatchBuilder(n, 1, blocks, bs, self.device)
+        reqs = [
+            ScheduledRequest(
+                f"profile{i}", [0] * m, 0, list(range(1 + i * per_req, 1 + (i + 1) * per_req)), i + 1, 0, 0, True
+            )
+            for i, m in enumerate(lens)
+        ]
+        sched = SchedulerOutput(requests=reqs, num_tokens=n)
+        gdn_chunk = 64 if self.state_specs else 0
+        builder = InputBatchBuilder(n, len(lens), per_req, bs, self.device, gdn_chunk)
         inputs = builder.build(sched)
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(backend, inputs.meta))
