@@ -30,6 +30,9 @@ from tqserve.attention.tuning import group_pad, pick_config, pick_splits
 
 DENSE, CODEBOOK, MINMAX = 0, 1, 2
 LAST_LAUNCH: dict = {}  # the last compiled attention kernel (benchmarks read registers / spills)
+# Decoding paths for b <= 4 bits (benchmarks / debugging switch them off to compare with the plain
+# index unpack + per-element centroid load + int -> float conversion they replace).
+FAST = {"pairs": True, "ints": True, "f16join": False}
 LOG2E = 1.4426950408889634
 
 
@@ -192,53 +195,88 @@ def _load_words(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.con
 
 
 @triton.jit
-def _halves(t):
-    """int32 holding two fp16 -> (low fp16, high fp16)."""
-    lo = t.to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo, hi
+def _as_f16(x):
+    """int32 tile holding fp16 bit patterns in its low 16 bits -> fp16 tile (bit reinterpretation)."""
+    return x.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _decode_pairs(ptr, tok, nmask, tbl_ptr, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
-    """Centroids [BN, DP] fp16 of b-bit codebook indices (b <= 4) through the pair table: one int32
-    gather per two coordinates, split into the two fp16 halves (no conversion instruction)."""
-    w = _load_words(ptr, tok, nmask, BITS, D, DP, BN)
-    PM: tl.constexpr = (1 << (2 * BITS)) - 1
-    a0, b0 = _halves(tl.load(tbl_ptr + (w & PM)))  # coordinates 0, 1 of the group
-    a1, b1 = _halves(tl.load(tbl_ptr + ((w >> (2 * BITS)) & PM)))  # 2, 3
-    a2, b2 = _halves(tl.load(tbl_ptr + ((w >> (4 * BITS)) & PM)))  # 4, 5
-    a3, b3 = _halves(tl.load(tbl_ptr + ((w >> (6 * BITS)) & PM)))  # 6, 7
-    # element 2k + h: flattened dims (k // 2, k % 2, h); the outermost join is the fastest dim.
-    x = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
+def _tree8(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr, DP: tl.constexpr):
+    """[BN, DP // 8] tiles of the 8 coordinates of each group -> [BN, DP] in coordinate order; join
+    adds a new minor dim, so the outermost join picks bit 0 of the coordinate within the group."""
+    x = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
     return tl.reshape(x, (BN, DP))
 
 
 @triton.jit
-def _decode_ints(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+def _decode_pairs(
+    ptr,
+    tok,
+    nmask,
+    tbl,
+    BITS: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BN: tl.constexpr,
+    F16J: tl.constexpr,
+):
+    """Centroids [BN, DP] fp16 of b-bit codebook indices (b <= 4) through the pair table: one int32
+    gather per two coordinates, split into the two fp16 halves (no conversion instruction)."""
+    w = _load_words(ptr, tok, nmask, BITS, D, DP, BN)
+    PM: tl.constexpr = (1 << (2 * BITS)) - 1
+    t0 = tl.load(tbl + (w & PM))  # coordinates 0, 1 of the group
+    t1 = tl.load(tbl + ((w >> (2 * BITS)) & PM))  # 2, 3
+    t2 = tl.load(tbl + ((w >> (4 * BITS)) & PM))  # 4, 5
+    t3 = tl.load(tbl + ((w >> (6 * BITS)) & PM))  # 6, 7
+    # F16J: halves become fp16 before the join tree (else the tree joins int32, converted at the end)
+    if F16J:
+        x = _tree8(
+            _as_f16(t0), _as_f16(t0 >> 16), _as_f16(t1), _as_f16(t1 >> 16),
+            _as_f16(t2), _as_f16(t2 >> 16), _as_f16(t3), _as_f16(t3 >> 16), BN, DP,
+        )  # fmt: skip
+    else:
+        x = _as_f16(_tree8(t0, t0 >> 16, t1, t1 >> 16, t2, t2 >> 16, t3, t3 >> 16, BN, DP))
+    return x
+
+
+@triton.jit
+def _decode_ints(
+    ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, F16J: tl.constexpr
+):
     """1024 + idx [BN, DP] fp16 (exact) of b-bit indices (b <= 4), without int -> float conversions:
     the index bits are or-ed into the mantissa of fp16 1024 (0x6400). 4-bit words make two halves
     per shift-and-or."""
     w = _load_words(ptr, tok, nmask, BITS, D, DP, BN)
     if BITS == 4:
-        a0, b0 = _halves((w & 0x000F000F) | 0x64006400)  # coordinates 0, 4
-        a1, b1 = _halves(((w >> 4) & 0x000F000F) | 0x64006400)  # 1, 5
-        a2, b2 = _halves(((w >> 8) & 0x000F000F) | 0x64006400)  # 2, 6
-        a3, b3 = _halves(((w >> 12) & 0x000F000F) | 0x64006400)  # 3, 7
-        # element k + 4h: flattened dims (h, k // 2, k % 2)
-        x = tl.join(tl.join(tl.join(a0, b0), tl.join(a2, b2)), tl.join(tl.join(a1, b1), tl.join(a3, b3)))
+        t0 = (w & 0x000F000F) | 0x64006400  # coordinates 0, 4
+        t1 = ((w >> 4) & 0x000F000F) | 0x64006400  # 1, 5
+        t2 = ((w >> 8) & 0x000F000F) | 0x64006400  # 2, 6
+        t3 = ((w >> 12) & 0x000F000F) | 0x64006400  # 3, 7
+        if F16J:  # coordinate k in the low halves, k + 4 in the high ones
+            x = _tree8(
+                _as_f16(t0), _as_f16(t1), _as_f16(t2), _as_f16(t3),
+                _as_f16(t0 >> 16), _as_f16(t1 >> 16), _as_f16(t2 >> 16), _as_f16(t3 >> 16), BN, DP,
+            )  # fmt: skip
+        else:
+            x = _as_f16(_tree8(t0, t1, t2, t3, t0 >> 16, t1 >> 16, t2 >> 16, t3 >> 16, BN, DP))
     else:
         M: tl.constexpr = (1 << BITS) - 1
-        i0, _u = _halves((w & M) | 0x6400)
-        i1, _u = _halves(((w >> BITS) & M) | 0x6400)
-        i2, _u = _halves(((w >> (2 * BITS)) & M) | 0x6400)
-        i3, _u = _halves(((w >> (3 * BITS)) & M) | 0x6400)
-        i4, _u = _halves(((w >> (4 * BITS)) & M) | 0x6400)
-        i5, _u = _halves(((w >> (5 * BITS)) & M) | 0x6400)
-        i6, _u = _halves(((w >> (6 * BITS)) & M) | 0x6400)
-        i7, _u = _halves(((w >> (7 * BITS)) & M) | 0x6400)
-        x = tl.join(tl.join(tl.join(i0, i4), tl.join(i2, i6)), tl.join(tl.join(i1, i5), tl.join(i3, i7)))
-    return tl.reshape(x, (BN, DP))
+        i0 = (w & M) | 0x6400
+        i1 = ((w >> BITS) & M) | 0x6400
+        i2 = ((w >> (2 * BITS)) & M) | 0x6400
+        i3 = ((w >> (3 * BITS)) & M) | 0x6400
+        i4 = ((w >> (4 * BITS)) & M) | 0x6400
+        i5 = ((w >> (5 * BITS)) & M) | 0x6400
+        i6 = ((w >> (6 * BITS)) & M) | 0x6400
+        i7 = ((w >> (7 * BITS)) & M) | 0x6400
+        if F16J:
+            x = _tree8(
+                _as_f16(i0), _as_f16(i1), _as_f16(i2), _as_f16(i3), _as_f16(i4), _as_f16(i5), _as_f16(i6), _as_f16(i7),
+                BN, DP,
+            )  # fmt: skip
+        else:
+            x = _as_f16(_tree8(i0, i1, i2, i3, i4, i5, i6, i7, BN, DP))
+    return x
 
 
 @triton.jit
@@ -295,6 +333,9 @@ def _paged_attn_kernel(
     NPART: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PAIRS: tl.constexpr = True,  # codebook tiles through the pair table (else kcb/vcb are the codebooks)
+    INTS: tl.constexpr = True,  # min-max tiles as fp16 1024 + idx
+    F16J: tl.constexpr = False,  # join decoded halves as fp16 (else as int32)
 ):
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -361,8 +402,8 @@ def _paged_attn_kernel(
             if KEY_SCALED:
                 s = s * tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
         else:
-            if KEY_BITS <= 4:
-                kc = _decode_pairs(kp_ptr, tokp, nmask, kcb_ptr, KEY_BITS, D, DP, BLOCK_N)
+            if PAIRS and KEY_BITS <= 4:
+                kc = _decode_pairs(kp_ptr, tokp, nmask, kcb_ptr, KEY_BITS, D, DP, BLOCK_N, F16J)
             else:
                 kc = tl.load(kcb_ptr + _unpack_tile(kp_ptr, tokp, nmask, KEY_BITS, D, DP, BLOCK_N))
             s = tl.dot(qv, tl.trans(kc.to(pk_t)))
@@ -419,23 +460,25 @@ def _paged_attn_kernel(
                 pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
             acc += tl.dot(pp.to(dot_t), vt.to(dot_t))
         elif VAL_MODE == 1:
-            if VAL_BITS <= 4:
-                vc = _decode_pairs(vp_ptr, tokp, nmask, vcb_ptr, VAL_BITS, D, DP, BLOCK_N)
+            if PAIRS and VAL_BITS <= 4:
+                vc = _decode_pairs(vp_ptr, tokp, nmask, vcb_ptr, VAL_BITS, D, DP, BLOCK_N, F16J)
             else:
                 vc = tl.load(vcb_ptr + _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N))
             pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
             acc += tl.dot(pp.to(pk_t), vc.to(pk_t))
-        elif VAL_BITS <= 4:
-            # v = zero + idx * scale = zero - 1024 * scale + (1024 + idx) * scale: the tile is 1024 + idx
-            # in fp16 (exact, no int -> float conversion); the 1024 * sum(p * scale) term is taken
-            # with the same fp16-rounded p * scale the dot used, so it cancels exactly up to fp32 sums.
-            vint = _decode_ints(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
+        elif INTS and VAL_BITS <= 4:
+            # The same centred product as below (v = zero + h * scale + (idx - h) * scale), with the
+            # tile built as fp16 1024 + idx from the index bits (no int -> float conversion) and
+            # centred by two exact fp16 subtractions. (Folding the 1024 into a correction term
+            # instead failed on the GPU: 0.6 relative error with codebook keys.)
+            vint = _decode_ints(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N, F16J)
+            HALF16: tl.constexpr = ((1 << VAL_BITS) - 1) * 0.5
+            vcen = (vint - 1024.0) - HALF16
             vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
             vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-            ps = (pp * vsc[None, :]).to(pk_t)
-            acc += tl.dot(ps, vint.to(pk_t))
-            acc += tl.sum(pp * vze[None, :] - 1024.0 * ps.to(tl.float32), 1)[:, None]
-        else:  # 5..8-bit min-max values
+            acc += tl.dot((pp * vsc[None, :]).to(pk_t), vcen.to(pk_t))
+            acc += tl.sum(pp * (vze + HALF16 * vsc)[None, :], 1)[:, None]
+        else:  # other min-max values
             vidx = _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
             vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
             vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
@@ -548,7 +591,8 @@ def paged_attention(
     q = _row_major(q)
     k_new = _row_major(k_new)
     v_new = _row_major(v_new)
-    cfg = pick_config(meta.max_query_len, group, d, layout.packed, bool(layout.sink or layout.window))
+    cb_bits = layout.key_bits if layout.key_mode == CODEBOOK else 0
+    cfg = pick_config(meta.max_query_len, group, d, layout.packed, bool(layout.sink or layout.window), cb_bits)
     n_qblocks = triton.cdiv(max(1, meta.max_query_len), cfg.block_q)
     splits = num_splits or pick_splits(meta.num_reqs, hkv, n_qblocks, meta.max_seq_len, cfg.block_n, _num_sms(dev))
     tiles = triton.cdiv(max(1, meta.max_seq_len), cfg.block_n)
@@ -574,8 +618,9 @@ def paged_attention(
     ks = pages[layout.key_scale_name] if layout.key_scale_name else dummy
     vs = pages[layout.val_scale_name] if layout.val_scale_name else dummy
     vz = pages[layout.val_zero_name] if layout.val_zero_name else dummy
-    kcb = layout.key_pairs if layout.key_pairs is not None else layout.key_codebook
-    vcb = layout.val_pairs if layout.val_pairs is not None else layout.val_codebook
+    pairs, ints = FAST["pairs"], FAST["ints"]
+    kcb = layout.key_pairs if pairs and layout.key_pairs is not None else layout.key_codebook
+    vcb = layout.val_pairs if pairs and layout.val_pairs is not None else layout.val_codebook
     kcb = kcb if kcb is not None else dummy
     vcb = vcb if vcb is not None else dummy
     rk, rv = ring if ring is not None else (k_new, v_new)
@@ -596,7 +641,8 @@ def paged_attention(
         KEY_MODE=layout.key_mode, KEY_BITS=layout.key_bits, KEY_SCALED=layout.key_scaled,
         VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, VAL_SCALED=layout.val_scaled,
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
-        DOT_F32=_interpreting() or q.dtype == torch.float32,
+        DOT_F32=_interpreting() or q.dtype == torch.float32, PAIRS=pairs, INTS=ints,
+        F16J=FAST["f16join"],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:

@@ -28,7 +28,9 @@ def group_pad(group: int) -> int:
 OVERRIDES: dict[str, AttnConfig] = {}
 
 
-def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool, exact: bool = False) -> AttnConfig:
+def pick_config(
+    max_query_len: int, group: int, head_dim: int, packed: bool, exact: bool = False, codebook_key_bits: int = 0
+) -> AttnConfig:
     """Decode (1 token), verify (a few tokens) and extend (long chunks) get different tiles.
 
     Rows of a program are (query token, query head of the KV head): decode packs the GQA group
@@ -48,6 +50,13 @@ def pick_config(max_query_len: int, group: int, head_dim: int, packed: bool, exa
             o = OVERRIDES["decode"]
             return AttnConfig(bq, o.block_n, o.num_warps, o.num_stages)
         block_n = 32 if big_d else 64
+        # TurboQuant keys (H200, docs/benchmarks.md "Kernels", runs 4-5): 4-bit keys run 1.5x (4bit_nc)
+        # to 2.3x (tq4) faster without software pipelining; 3-bit keys (3 byte loads per word) like
+        # 128-key tiles with 2 stages (2.58 vs 3.36 ms at 64 keys), measured without exact copies.
+        if codebook_key_bits == 4:
+            return AttnConfig(bq, block_n, 4, 1)
+        if codebook_key_bits == 3 and not exact and not big_d:
+            return AttnConfig(bq, 128, 4, 2)
         return AttnConfig(bq, block_n, 4, 2 if packed else 3)
     # Extend: compute-bound, flash-attention style 64..128-row tiles (64 when decoding packed
     # tiles or d = 256: a 128-row tile with two accumulators overflows shared memory).
