@@ -40,6 +40,7 @@ class KVCacheManager:
         self.pool = BlockPool(layout.num_blocks, on_evict=self._on_page_evicted)
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[int]] = {}
+        self.num_registered: dict[str, int] = {}  # blocks of a request already offered to the cache
         self.seq_slot: dict[str, int] = {}
         self.free_seq_slots = list(range(layout.max_num_seqs, 0, -1))
         # Sinks: one slot per distinct live first page; cached-free first pages keep theirs in an LRU.
@@ -152,10 +153,14 @@ class KVCacheManager:
     def cache_full_blocks(self, request: Request) -> None:
         if not self.layout.enable_prefix_caching:
             return
-        table = self.block_tables[request.request_id]
+        rid = request.request_id
+        table = self.block_tables[rid]
         hashes = self._hash_blocks(request, request.num_computed_tokens)
-        for page, h in zip(table, hashes):
-            self.pool.register(page, h)
+        # Lookups may have hashed further than the computed pages reach.
+        full = min(len(hashes), len(table), request.num_computed_tokens // self.block_size)
+        for i in range(self.num_registered.get(rid, 0), full):
+            self.pool.register(table[i], hashes[i])
+        self.num_registered[rid] = full
 
     def checkpoint_slot_for(self, request: Request, n: int, prefill: bool) -> int | None:
         """A checkpoint slot to save the request's state into, or None. Prefill chunks end on the
@@ -188,6 +193,7 @@ class KVCacheManager:
         if slot is not None:
             self.free_seq_slots.append(slot)
         self.block_hashes.pop(rid, None)
+        self.num_registered.pop(rid, None)
 
     # ---- views for the runner ---------------------------------------------------------------
     def sink_slot(self, request_id: str) -> int:

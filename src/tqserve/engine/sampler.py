@@ -123,8 +123,15 @@ def _read_back(tokens: torch.Tensor, lp, counts: list[int]) -> SampleResult:
         if k < 0:
             out.append(None)
         else:
-            out.append((chosen[row], rank[row], list(zip(top_ids[row][:k], top_vals[row][:k]))))
+            top = _chosen_first(list(zip(top_ids[row], top_vals[row])), token_ids[row])[:k]
+            out.append((chosen[row], rank[row], top))
     return SampleResult(token_ids, out)
+
+
+def _chosen_first(top: list[tuple[int, float]], chosen: int) -> list[tuple[int, float]]:
+    """Order the top-k by logprob, the sampled token first among equal values (bf16 logits tie
+    often; rank counts strictly larger logprobs, so a tied chosen token has rank 1)."""
+    return sorted(top, key=lambda e: (-e[1], e[0] != chosen))
 
 
 def prompt_logprobs(
