@@ -50,10 +50,12 @@ def pick_config(
             o = OVERRIDES["decode"]
             return AttnConfig(bq, o.block_n, o.num_warps, o.num_stages)
         block_n = 32 if big_d else 64
-        # TurboQuant keys (H200, docs/benchmarks.md "Kernels", runs 4-5): 4-bit keys run 1.5x (4bit_nc)
-        # to 2.3x (tq4) faster without software pipelining; 3-bit keys (3 byte loads per word) like
-        # 128-key tiles with 2 stages (2.58 vs 3.36 ms at 64 keys), measured without exact copies.
-        if codebook_key_bits == 4:
+        # TurboQuant keys (H200, docs/benchmarks.md "Kernels", runs 4-6): 4- and 5-bit keys run 1.5x
+        # (4bit_nc) to 2.3x (tq4, 5-bit keys) faster without software pipelining (the pipeliner stages
+        # the packed words through shared memory, then they are converted in registers anyway);
+        # 3-bit keys (3 byte loads per word) like 128-key tiles with 2 stages (2.58 vs 3.36 ms at 64
+        # keys), measured without exact copies.
+        if codebook_key_bits >= 4:
             return AttnConfig(bq, block_n, 4, 1)
         if codebook_key_bits == 3 and not exact and not big_d:
             return AttnConfig(bq, 128, 4, 2)
