@@ -5,9 +5,11 @@ the key range): the rows of its tensor-core tile are (token, head-in-group) pair
 read once per KV head (GQA) and decode still uses `tl.dot` (the group is padded to 16 rows).
 
 Packed TurboQuant keys are never expanded to memory: the query is rotated once (y = x R^T), each
-score is `norm * <Rq, c[idx]>` with the centroids looked up from a 2^b-entry table, and codebook
+score is `norm * <Rq, c[idx]>` with the centroids looked up two at a time from a 4^b-entry table of
+fp16 pairs (b <= 4; per element from the 2^b centroids above that), and codebook
 values are accumulated in the rotated space and rotated back once at the output. Min-max values
-(vLLM's `v = zero + idx * scale`) are accumulated as `(p * scale) @ idx + sum(p * zero)`.
+(vLLM's `v = zero + idx * scale`) are accumulated as `(p * scale) @ (idx - h) + sum(p * (zero + h * scale))`,
+the fp16 tile `idx - h` built from the index bits without int -> float conversions.
 
 Exact copies (sink + recent window) follow the position rule of `attention/reference.py`: key p is
 read exact for query position q iff `p < S` or `q - p < W`; positions of this step come from the
