@@ -43,7 +43,7 @@ VLLM_PRESETS = (
     "turboquant_3bit_nc",
 )
 # tqserve's recommended presets; chosen by the measurements in docs/kv-quality.md.
-ALIASES = {"tq4": "tq_k5v3_ub_s4_w32", "tq3": "tq_k4v2_ub_s4_w32"}
+ALIASES = {"tq4": "tq_k5v3_ub_s4_w32", "tq3": "tq_k4v2_ub_s4_w48"}
 TQSERVE_PRESETS = tuple(ALIASES)
 EXACT_PRESETS = ("auto", "bfloat16")
 ALL_PRESETS = EXACT_PRESETS + ("fp8",) + VLLM_PRESETS + TQSERVE_PRESETS
