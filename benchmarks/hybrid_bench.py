@@ -78,9 +78,7 @@ def main() -> None:
     cfg = qwen35_4b_config(args.layers)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        ref = AutoModelForCausalLM.from_config(
-            cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
-        ).eval()
+        ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
         ours = Qwen3_5ForCausalLM(cfg, torch.bfloat16)
     ours.load_weights(ref.state_dict().items())
     res: dict = {
@@ -118,9 +116,7 @@ def main() -> None:
     def ours_decode():
         tok = nxt
         for s in range(steps):
-            tok = runner.step(
-                [(i + 1, [int(x)], c + s) for i, x in enumerate(tok.tolist())]
-            )
+            tok = runner.step([(i + 1, [int(x)], c + s) for i, x in enumerate(tok.tolist())])
 
     ours_decode()  # warmup (overwrites the same positions: fine for timing)
     runner.step([(i + 1, prompts[i].tolist(), 0) for i in range(b)])

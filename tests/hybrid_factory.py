@@ -73,9 +73,7 @@ def make_config(variant: str, **overrides):
         cfg.architectures = ["Qwen3NextForCausalLM"]
     elif variant == "qwen3_5":
         rope["mrope_section"], rope["mrope_interleaved"] = [1, 1, 0], True
-        cfg = Qwen3_5TextConfig(
-            **dict(_COMMON, intermediate_size=96), rope_parameters=rope
-        )
+        cfg = Qwen3_5TextConfig(**dict(_COMMON, intermediate_size=96), rope_parameters=rope)
         cfg.architectures = ["Qwen3_5ForCausalLM"]
     elif variant == "qwen3_5_moe":
         cfg = Qwen3_5MoeTextConfig(**dict(_COMMON, **_MOE), rope_parameters=rope)
@@ -101,9 +99,7 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
             p.copy_(torch.empty(p.shape).uniform_(0.1, 2.0, generator=gen).log())
         elif name.endswith("dt_bias"):
             p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-        elif (
-            "norm" in name
-        ):  # zero-centred norms and the (plain-weight) gated norm alike
+        elif "norm" in name:  # zero-centred norms and the (plain-weight) gated norm alike
             p.add_(0.2 * torch.randn(p.shape, generator=gen))
         elif "embed_tokens" in name:
             p.copy_(torch.randn(p.shape, generator=gen))
@@ -164,22 +160,12 @@ def write_checkpoint(
         cfg["mtp_num_hidden_layers"] = 1
     if language_model_prefix:
         tensors = {
-            (
-                f"model.language_model.{k[len('model.') :]}"
-                if k.startswith("model.")
-                else k
-            ): v
+            (f"model.language_model.{k[len('model.') :]}" if k.startswith("model.") else k): v
             for k, v in tensors.items()
         }
         cfg = {
-            "architectures": [
-                cfg["architectures"][0].replace(
-                    "ForCausalLM", "ForConditionalGeneration"
-                )
-            ],
-            "model_type": "qwen3_5"
-            if cfg["model_type"] == "qwen3_5_text"
-            else "qwen3_5_moe",
+            "architectures": [cfg["architectures"][0].replace("ForCausalLM", "ForConditionalGeneration")],
+            "model_type": "qwen3_5" if cfg["model_type"] == "qwen3_5_text" else "qwen3_5_moe",
             "text_config": cfg,
             "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
         }
@@ -252,9 +238,7 @@ class SlotKVBackend(AttentionBackend):
             vi = vc[slot, :total].transpose(0, 1).repeat_interleave(groups, 0)
             qpos = torch.arange(start, total, device=q.device)[:, None]
             mask = torch.arange(total, device=q.device)[None, :] <= qpos
-            o = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), ki, vi, attn_mask=mask, scale=scale
-            )
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), ki, vi, attn_mask=mask, scale=scale)
             out[s:e] = o.transpose(0, 1)
         return out
 
@@ -304,9 +288,7 @@ class Driver:
     @torch.no_grad()
     def step(self, batch: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """batch: (slot, new token ids, number of tokens already processed). Returns float32 logits [T, V]."""
-        meta = build_meta(
-            [(slot, ctx, len(ids)) for slot, ids, ctx in batch], self.device
-        )
+        meta = build_meta([(slot, ctx, len(ids)) for slot, ids, ctx in batch], self.device)
         ctx = ForwardContext(self.backend, meta)
         ctx.state_pool = self.pool
         ids = torch.tensor(
@@ -317,9 +299,7 @@ class Driver:
         hidden = self.model(ids, meta.positions, ctx)
         return self.model.compute_logits(hidden)
 
-    def generate(
-        self, prompts: list[list[int]], max_new: int, chunk: int = 4096
-    ) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new: int, chunk: int = 4096) -> list[list[int]]:
         """Greedy continuous batching with chunked prefill (`chunk` prompt tokens per request per step)."""
         done = [0] * len(prompts)  # tokens processed
         seqs = [list(p) for p in prompts]
@@ -337,9 +317,7 @@ class Driver:
             for (_, todo, _), i in zip(batch, owners):
                 end += len(todo)
                 done[i] += len(todo)
-                if done[i] == len(
-                    seqs[i]
-                ):  # the whole sequence is processed: sample the next token
+                if done[i] == len(seqs[i]):  # the whole sequence is processed: sample the next token
                     tok = int(logits[end - 1].argmax())
                     out[i].append(tok)
                     seqs[i].append(tok)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_invariance import GREEDY, mixed_prompts
+
 from tqserve import LLM
 
 pytestmark = pytest.mark.gpu

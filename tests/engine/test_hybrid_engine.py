@@ -24,10 +24,7 @@ def ckpt(tmp_path_factory):
     path = hf.write_checkpoint(hf_model, str(tmp_path_factory.mktemp("hybrid_engine")))
     model_factory.make_tiny_tokenizer().save_pretrained(path)
     prompts = [
-        torch.randint(
-            0, hf.VOCAB, (n,), generator=torch.Generator().manual_seed(100 + n)
-        ).tolist()
-        for n in LENGTHS
+        torch.randint(0, hf.VOCAB, (n,), generator=torch.Generator().manual_seed(100 + n)).tolist() for n in LENGTHS
     ]
     return path, hf_model, prompts
 
@@ -60,9 +57,7 @@ def expected(ckpt):
 @pytest.mark.parametrize("budget", [5, 64, 4096])
 def test_chunk_budget_and_batching(ckpt, expected, budget):
     path, _, prompts = ckpt
-    assert (
-        run(path, prompts, max_num_batched_tokens=budget, max_num_seqs=8)[0] == expected
-    )
+    assert run(path, prompts, max_num_batched_tokens=budget, max_num_seqs=8)[0] == expected
 
 
 def test_prefix_cache_hits(ckpt, expected):
@@ -80,10 +75,7 @@ def test_prefix_cache_hits(ckpt, expected):
     # Shared prefixes with new tails: resume from a state checkpoint, then diverge.
     tails = [p + [7, 8, 9, 10, 11] for p in prompts[1::2]]
     alone = [run(path, [t])[0][0] for t in tails]
-    assert [
-        o.outputs[0].token_ids
-        for o in llm.generate([{"prompt_token_ids": t} for t in tails], GREEDY)
-    ] == alone
+    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": t} for t in tails], GREEDY)] == alone
 
 
 def test_preemption(ckpt, expected):

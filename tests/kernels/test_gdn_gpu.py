@@ -13,9 +13,7 @@ from tqserve.ops.gdn import reference as ref
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-needs_fla = pytest.mark.skipif(
-    importlib.util.find_spec("fla") is None, reason="needs fla-core"
-)
+needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core")
 
 HK, DK, HV, DV, K = 16, 128, 32, 128, 4  # Qwen3-Next-80B per-layer GDN dims
 CONV_DIM = 2 * HK * DK + HV * DV
@@ -31,11 +29,7 @@ def _inputs(t: int, num_slots: int, dtype, seed: int):
     weight = (torch.randn(CONV_DIM, K, device="cuda", generator=gen) * 0.5).to(dtype)
     A_log = torch.empty(HV, device="cuda").uniform_(0.1, 2.0, generator=gen).log()
     dt_bias = 1.0 + 0.2 * torch.randn(HV, device="cuda", generator=gen)
-    conv_pool = (
-        torch.randn(num_slots, CONV_DIM, K, device="cuda", generator=gen)
-        .to(dtype)
-        .float()
-    )
+    conv_pool = torch.randn(num_slots, CONV_DIM, K, device="cuda", generator=gen).to(dtype).float()
     ssm_pool = torch.randn(num_slots, HV, DK, DV, device="cuda", generator=gen) * 0.1
     return proj, weight, A_log, dt_bias, conv_pool, ssm_pool
 
@@ -68,9 +62,7 @@ def test_fla_prefill_matches_reference(dtype):
         (HK, DK, HV, DV), meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.seq_slots_cpu,
     )  # fmt: skip
     info = GdnStepInfo.build(meta, torch.device("cuda"))
-    got = gdn_prefill_fla(
-        mixed, a, b, weight, A_log, dt_bias, conv_pool, ssm_pool, info, (HK, DK, HV, DV)
-    )
+    got = gdn_prefill_fla(mixed, a, b, weight, A_log, dt_bias, conv_pool, ssm_pool, info, (HK, DK, HV, DV))
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     assert _rel(got, exp) < tol
     assert _rel(ssm_pool, exp_ssm) < tol
@@ -84,9 +76,7 @@ def test_decode_kernel_matches_reference(bsz, dtype):
     from tqserve.ops.gdn.recurrent_triton import gdn_decode
 
     num_slots = bsz + 5
-    proj, weight, A_log, dt_bias, conv_pool, ssm_pool = _inputs(
-        bsz, num_slots, dtype, bsz
-    )
+    proj, weight, A_log, dt_bias, conv_pool, ssm_pool = _inputs(bsz, num_slots, dtype, bsz)
     mixed, b, a = _split(proj)
     slots = (torch.randperm(num_slots - 1, device="cuda")[:bsz] + 1).to(torch.int32)
     slots[::5] = 0  # padded rows
@@ -108,9 +98,7 @@ def test_decode_kernel_matches_reference(bsz, dtype):
         k = x[:, HK * DK : 2 * HK * DK].view(1, HK, DK)
         v = x[:, 2 * HK * DK :].view(1, HV, DV)
         g, beta = ref.gdn_gates(a[i : i + 1], b[i : i + 1], A_log, dt_bias)
-        o, exp_ssm[s] = ref.recurrent_gated_delta_rule(
-            q, k, v, g, beta, None if fresh else ssm_pool[s]
-        )
+        o, exp_ssm[s] = ref.recurrent_gated_delta_rule(q, k, v, g, beta, None if fresh else ssm_pool[s])
         exp[i] = o[0]
     before_null = (conv_pool[0].clone(), ssm_pool[0].clone())
     got = gdn_decode(
@@ -127,14 +115,8 @@ def test_decode_kernel_matches_reference(bsz, dtype):
         (HK, DK, HV, DV),
     )
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    assert (
-        _rel(got, exp) < tol
-        and _rel(ssm_pool, exp_ssm) < tol
-        and _rel(conv_pool, exp_conv) < tol
-    )
-    assert torch.equal(conv_pool[0], before_null[0]) and torch.equal(
-        ssm_pool[0], before_null[1]
-    )
+    assert _rel(got, exp) < tol and _rel(ssm_pool, exp_ssm) < tol and _rel(conv_pool, exp_conv) < tol
+    assert torch.equal(conv_pool[0], before_null[0]) and torch.equal(ssm_pool[0], before_null[1])
     assert float(got[slots == 0].abs().max() if (slots == 0).any() else 0.0) == 0.0
 
 

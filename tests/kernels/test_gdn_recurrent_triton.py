@@ -16,9 +16,7 @@ from tqserve.ops.gdn import reference as ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(
-    bsz: int, hk: int, dk: int, hv: int, dv: int, k: int, num_slots: int, seed: int
-):
+def _case(bsz: int, hk: int, dk: int, hv: int, dv: int, k: int, num_slots: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     conv_dim = 2 * hk * dk + hv * dv
     mk = lambda *s: torch.randn(*s, generator=gen)
@@ -67,9 +65,7 @@ def test_decode_kernel_matches_reference(bsz, hk, dk, hv, dv, k):
     from tqserve.ops.gdn.recurrent_triton import gdn_decode
 
     case = _case(bsz, hk, dk, hv, dv, k, num_slots=2 * bsz + 3, seed=bsz)
-    proj, mixed, a, b, weight, A_log, dt_bias, conv_pool, ssm_pool, slots, seq_lens = (
-        case
-    )
+    proj, mixed, a, b, weight, A_log, dt_bias, conv_pool, ssm_pool, slots, seq_lens = case
     exp_conv, exp_ssm = conv_pool.clone(), ssm_pool.clone()
     exp_out = torch.zeros(bsz, hv, dv)
     for i in range(bsz):
@@ -77,9 +73,7 @@ def test_decode_kernel_matches_reference(bsz, hk, dk, hv, dv, k):
         if s == 0:
             continue
         fresh = int(seq_lens[i]) == 1
-        x, exp_conv[s] = ref.causal_conv1d(
-            mixed[i : i + 1], weight, None, None if fresh else conv_pool[s]
-        )
+        x, exp_conv[s] = ref.causal_conv1d(mixed[i : i + 1], weight, None, None if fresh else conv_pool[s])
         key = hk * dk
         q, kk, v = (
             x[:, :key].view(1, hk, dk),
@@ -87,15 +81,10 @@ def test_decode_kernel_matches_reference(bsz, hk, dk, hv, dv, k):
             x[:, 2 * key :].view(1, hv, dv),
         )
         g, beta = ref.gdn_gates(a[i : i + 1], b[i : i + 1], A_log, dt_bias)
-        o, exp_ssm[s] = ref.recurrent_gated_delta_rule(
-            q, kk, v, g, beta, None if fresh else ssm_pool[s]
-        )
+        o, exp_ssm[s] = ref.recurrent_gated_delta_rule(q, kk, v, g, beta, None if fresh else ssm_pool[s])
         exp_out[i] = o[0]
 
-    dev = [
-        t.to(DEVICE)
-        for t in (proj, weight, A_log, dt_bias, conv_pool, ssm_pool, slots, seq_lens)
-    ]
+    dev = [t.to(DEVICE) for t in (proj, weight, A_log, dt_bias, conv_pool, ssm_pool, slots, seq_lens)]
     proj_d, weight_d, A_d, dt_d, conv_d, ssm_d, slots_d, lens_d = dev
     conv_dim = mixed.shape[1]
     out = gdn_decode(
@@ -106,6 +95,4 @@ def test_decode_kernel_matches_reference(bsz, hk, dk, hv, dv, k):
     # Every slot, touched or not (null slot 0 and unused slots keep their old contents).
     torch.testing.assert_close(conv_d.cpu(), exp_conv, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ssm_d.cpu(), exp_ssm, rtol=1e-4, atol=1e-5)
-    assert torch.equal(conv_d[0].cpu(), conv_pool[0]) and torch.equal(
-        ssm_d[0].cpu(), ssm_pool[0]
-    )
+    assert torch.equal(conv_d[0].cpu(), conv_pool[0]) and torch.equal(ssm_d[0].cpu(), ssm_pool[0])

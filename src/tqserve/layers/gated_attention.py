@@ -19,14 +19,10 @@ class ZeroCenteredRMSNorm(nn.Module):
     """out = rmsnorm(x in fp32) * (1 + w) in fp32, cast back: Qwen3-Next's RMSNorm, whose checkpoint
     weight is stored centred on zero."""
 
-    def __init__(
-        self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(
-            torch.zeros(hidden_size, dtype=dtype), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -55,20 +51,14 @@ class GatedAttention(nn.Module):
         )
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # Fused q(+gate) / k / v projection; shard 0 keeps the checkpoint's per-head [q | gate] interleave.
-        self.qkv_proj = MergedLinear(
-            hidden_size, [2 * q_size, kv_size, kv_size], bias=bias, dtype=dtype
-        )
+        self.qkv_proj = MergedLinear(hidden_size, [2 * q_size, kv_size, kv_size], bias=bias, dtype=dtype)
         self.o_proj = Linear(q_size, hidden_size, bias=bias, dtype=dtype)
         self.q_norm = ZeroCenteredRMSNorm(head_dim, rms_norm_eps, dtype=dtype)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, rms_norm_eps, dtype=dtype)
         self.rotary = rotary  # shared table, kept out of the module tree
-        self.attn = Attention(
-            num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_layer_idx
-        )
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_layer_idx)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)

@@ -31,14 +31,10 @@ from tqserve.ops.gdn import reference as ref
 class GatedRMSNorm(nn.Module):
     """rmsnorm(x) * w (plain weight, not 1 + w), then * silu(z) in fp32: norm before gate."""
 
-    def __init__(
-        self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(
-            torch.ones(hidden_size, dtype=dtype), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -52,9 +48,7 @@ class GdnStepInfo:
     """Per-step facts every GDN layer needs, built once per forward by the model."""
 
     meta: AttentionMetadata
-    has_context: (
-        torch.Tensor
-    )  # [num_reqs] bool on device: the request continues a stored state
+    has_context: torch.Tensor  # [num_reqs] bool on device: the request continues a stored state
     slots: torch.Tensor  # [num_reqs] int64 on device
     num_real_tokens: int  # host int
     fla: dict | None = None  # cu_seqlens / chunk_indices for the fla prefill path
@@ -65,11 +59,7 @@ class GdnStepInfo:
         qsl = meta.query_start_loc[: n + 1]
         # Context length = seq_len - query_len, all on device (no host sync).
         has_context = (meta.seq_lens[:n] - (qsl[1:] - qsl[:-1])) > 0
-        real = (
-            meta.query_start_loc_cpu[n]
-            if len(meta.query_start_loc_cpu) > n
-            else meta.num_tokens
-        )
+        real = meta.query_start_loc_cpu[n] if len(meta.query_start_loc_cpu) > n else meta.num_tokens
         info = cls(meta, has_context, meta.seq_slots[:n].long(), real)
         if device.type == "cuda" and meta.max_query_len > 1:
             from tqserve.ops.gdn.fla_ops import step_chunk_metadata
@@ -94,9 +84,7 @@ class GatedDeltaNet(nn.Module):
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
-            raise ValueError(
-                f"linear_num_value_heads {num_v_heads} must be a multiple of key heads {num_k_heads}"
-            )
+            raise ValueError(f"linear_num_value_heads {num_v_heads} must be a multiple of key heads {num_k_heads}")
         if layout not in ("qwen3_next", "qwen3_5"):
             raise ValueError(f"unknown GDN checkpoint layout {layout!r}")
         self.hk, self.hv, self.dk, self.dv = (
@@ -111,9 +99,7 @@ class GatedDeltaNet(nn.Module):
         )
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
-        self.state_idx = (
-            state_idx  # index among the model's GDN layers (its StatePool layer)
-        )
+        self.state_idx = state_idx  # index among the model's GDN layers (its StatePool layer)
         self.layout = layout
         sizes = [
             self.key_dim,
@@ -123,18 +109,10 @@ class GatedDeltaNet(nn.Module):
             num_v_heads,
             num_v_heads,
         ]
-        self.in_proj = MergedLinear(
-            hidden_size, sizes, dtype=dtype
-        )  # [q | k | v | z | b | a]
-        self.conv_weight = nn.Parameter(
-            torch.empty(self.conv_dim, conv_kernel, dtype=dtype), requires_grad=False
-        )
-        self.A_log = nn.Parameter(
-            torch.empty(num_v_heads, dtype=dtype), requires_grad=False
-        )
-        self.dt_bias = nn.Parameter(
-            torch.empty(num_v_heads, dtype=dtype), requires_grad=False
-        )
+        self.in_proj = MergedLinear(hidden_size, sizes, dtype=dtype)  # [q | k | v | z | b | a]
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(num_v_heads, dtype=dtype), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNorm(head_v_dim, rms_norm_eps, dtype=dtype)
         self.out_proj = Linear(self.value_dim, hidden_size, dtype=dtype)
 
@@ -148,9 +126,7 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(x)
         mixed_qkv = proj[:, : self.conv_dim]
         z = proj[:, self.conv_dim : self.conv_dim + self.value_dim]
-        b = proj[
-            :, self.conv_dim + self.value_dim : self.conv_dim + self.value_dim + self.hv
-        ]
+        b = proj[:, self.conv_dim + self.value_dim : self.conv_dim + self.value_dim + self.hv]
         a = proj[:, self.conv_dim + self.value_dim + self.hv :]
         pool = ctx.state_pool
         conv_pool, ssm_pool = pool.conv[self.state_idx], pool.ssm[self.state_idx]
@@ -208,12 +184,8 @@ class GatedDeltaNet(nn.Module):
             r = self.hv // self.hk
             grouped = tensor.reshape(self.hk, 2 * self.dk + 2 * r * self.dv, -1)
             parts = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
-            for shard, part in enumerate(
-                parts
-            ):  # [Hk, rows_per_head, H] -> flat, head after head
-                self.in_proj.load_shard(
-                    "weight", shard, part.reshape(-1, part.shape[-1])
-                )
+            for shard, part in enumerate(parts):  # [Hk, rows_per_head, H] -> flat, head after head
+                self.in_proj.load_shard("weight", shard, part.reshape(-1, part.shape[-1]))
         elif name == "in_proj_ba.weight":
             r = self.hv // self.hk
             b, a = tensor.reshape(self.hk, 2 * r, -1).split([r, r], dim=1)

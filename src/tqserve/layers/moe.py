@@ -24,13 +24,9 @@ from tqserve.layers.linear import Linear, MergedLinear
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate/up fused into one matmul."""
 
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, [intermediate_size, intermediate_size], dtype=dtype
-        )
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +64,7 @@ class SparseMoE(nn.Module):
         self.inter = moe_intermediate_size
         self.gate = Linear(hidden_size, num_experts, dtype=dtype)  # the router
         self.w13 = nn.Parameter(
-            torch.empty(
-                num_experts, 2 * moe_intermediate_size, hidden_size, dtype=dtype
-            ),
+            torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
         )
         self.w2 = nn.Parameter(
@@ -78,9 +72,7 @@ class SparseMoE(nn.Module):
             requires_grad=False,
         )
         if shared_expert_intermediate_size > 0:
-            self.shared_expert = GatedMLP(
-                hidden_size, shared_expert_intermediate_size, dtype=dtype
-            )
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, dtype=dtype)
             self.shared_expert_gate = Linear(hidden_size, 1, dtype=dtype)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -93,25 +85,17 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def _experts_gathered(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
+    def _experts_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
         flat = ids.reshape(-1)
         xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
         h = torch.bmm(self.w13.index_select(0, flat), xs).squeeze(-1)  # [T*k, 2I]
         h = F.silu(h[:, : self.inter]) * h[:, self.inter :]
-        y = torch.bmm(self.w2.index_select(0, flat), h.unsqueeze(-1)).squeeze(
-            -1
-        )  # [T*k, H]
+        y = torch.bmm(self.w2.index_select(0, flat), h.unsqueeze(-1)).squeeze(-1)  # [T*k, H]
         return (y.view(t, k, -1) * weights.unsqueeze(-1)).sum(1)
 
-    def _experts_dense(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        combine = torch.zeros(
-            x.shape[0], self.num_experts, dtype=x.dtype, device=x.device
-        )
+    def _experts_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        combine = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         combine.scatter_(1, ids, weights)
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
@@ -127,17 +111,13 @@ class SparseMoE(nn.Module):
         else:
             out = self._experts_dense(x, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(
-                x
-            )
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """One checkpoint tensor named relative to `mlp.`."""
         if name.startswith("shared_expert."):
-            return self.shared_expert is not None and self.shared_expert.load_hf_weight(
-                name[14:], tensor
-            )
+            return self.shared_expert is not None and self.shared_expert.load_hf_weight(name[14:], tensor)
         if name.startswith("shared_expert_gate."):
             self.shared_expert_gate.weight.data.copy_(tensor)
             return True

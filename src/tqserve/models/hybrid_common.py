@@ -33,18 +33,13 @@ def layer_types_of(cfg) -> list[str]:
     if types:
         return list(types)
     interval = getattr(cfg, "full_attention_interval", 4)
-    return [
-        "linear_attention" if (i + 1) % interval else "full_attention"
-        for i in range(cfg.num_hidden_layers)
-    ]
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(cfg.num_hidden_layers)]
 
 
 def _copy_param(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     param = module.get_parameter(name)
     if param.shape != tensor.shape:
-        raise ValueError(
-            f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
-        )
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
     param.data.copy_(tensor)
 
 
@@ -86,9 +81,7 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(h, eps, dtype)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(h, eps, dtype)
 
-    def forward(
-        self, positions, x, ctx: ForwardContext, info: GdnStepInfo | None
-    ) -> torch.Tensor:
+    def forward(self, positions, x, ctx: ForwardContext, info: GdnStepInfo | None) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, ctx, info)
@@ -101,9 +94,7 @@ class HybridDecoderLayer(nn.Module):
         child, _, rest = name.partition(".")
         module = getattr(self, child, None)
         if module is None:
-            raise KeyError(
-                f"checkpoint tensor {name!r} has no matching module in this {self.layer_type} layer"
-            )
+            raise KeyError(f"checkpoint tensor {name!r} has no matching module in this {self.layer_type} layer")
         loader = getattr(module, "load_hf_weight", None)
         if loader is None or not loader(rest, tensor):
             _copy_param(module, rest, tensor)
@@ -113,18 +104,14 @@ class MTPHead(nn.Module):
     """Multi-token-prediction weights (`mtp.*`): loaded and kept, not run yet. Its attention layers take
     KV-cache indices after the main model's (`mtp_kv_layer_specs`)."""
 
-    def __init__(
-        self, cfg, num_layers: int, first_attn_idx: int, moe: bool, rotary, dtype
-    ) -> None:
+    def __init__(self, cfg, num_layers: int, first_attn_idx: int, moe: bool, rotary, dtype) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps, dtype)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps, dtype)
         self.fc = Linear(2 * h, h, dtype=dtype)
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(
-                cfg, "full_attention", first_attn_idx + i, moe, rotary, dtype, "qwen3_5"
-            )
+            HybridDecoderLayer(cfg, "full_attention", first_attn_idx + i, moe, rotary, dtype, "qwen3_5")
             for i in range(num_layers)
         )
         self.norm = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps, dtype)
@@ -145,23 +132,13 @@ class HybridForCausalLM(nn.Module):
         cfg = self.config = text_config(hf_config)
         self.dtype = dtype
         if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise NotImplementedError(
-                f"hidden_act {cfg.hidden_act!r} is not supported (silu only)"
-            )
+            raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
         self.layer_types = layer_types_of(cfg)
         theta, scaling = rope_parameters(cfg)
-        head_dim = (
-            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        )
-        factor = scaling.get(
-            "partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)
-        )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        factor = scaling.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
         # Text-only MRoPE (Qwen3.5) has three equal position rows: it is plain partial NeoX RoPE.
-        scaling = {
-            k: v
-            for k, v in scaling.items()
-            if k not in ("mrope_section", "mrope_interleaved")
-        }
+        scaling = {k: v for k, v in scaling.items() if k not in ("mrope_section", "mrope_interleaved")}
         self.rotary = [
             RotaryEmbedding(
                 head_dim,
@@ -191,25 +168,15 @@ class HybridForCausalLM(nn.Module):
             n_attn += kind == "full_attention"
         self.layers = nn.ModuleList(layers)
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.tie_word_embeddings = bool(
-            getattr(hf_config, "tie_word_embeddings", False)
-        )
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = LMHead(
             cfg.vocab_size,
             cfg.hidden_size,
             dtype=dtype,
             tied=self.embed_tokens if self.tie_word_embeddings else None,
         )
-        n_mtp = (
-            getattr(cfg, "mtp_num_hidden_layers", None)
-            or getattr(cfg, "num_nextn_predict_layers", None)
-            or 0
-        )
-        self.mtp = (
-            MTPHead(cfg, n_mtp, n_attn, self.is_moe_layer(cfg, 0), self.rotary, dtype)
-            if n_mtp
-            else None
-        )
+        n_mtp = getattr(cfg, "mtp_num_hidden_layers", None) or getattr(cfg, "num_nextn_predict_layers", None) or 0
+        self.mtp = MTPHead(cfg, n_mtp, n_attn, self.is_moe_layer(cfg, 0), self.rotary, dtype) if n_mtp else None
         # Poison every parameter: load_weights checks that none is left unwritten.
         for p in self.parameters():
             p.data.fill_(math.nan)
@@ -220,9 +187,7 @@ class HybridForCausalLM(nn.Module):
 
     # ---- the model contract -------------------------------------------------------------------
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         info = GdnStepInfo.build(ctx.meta, input_ids.device)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
@@ -243,18 +208,11 @@ class HybridForCausalLM(nn.Module):
         """KV layers of the MTP head, indexed after `kv_layer_specs()` (not allocated by the engine yet)."""
         if self.mtp is None:
             return []
-        return [
-            (layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
-            for layer in self.mtp.layers
-        ]
+        return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.mtp.layers]
 
     def state_specs(self) -> list[tuple[tuple[int, int], tuple[int, int, int]]]:
         """Per GDN layer: conv state (conv_dim, K) and recurrent state (Hv, dk, dv), both fp32."""
-        return [
-            layer.linear_attn.state_spec()
-            for layer in self.layers
-            if layer.layer_type == "linear_attention"
-        ]
+        return [layer.linear_attn.state_spec() for layer in self.layers if layer.layer_type == "linear_attention"]
 
     # ---- loading ------------------------------------------------------------------------------
 
@@ -270,10 +228,7 @@ class HybridForCausalLM(nn.Module):
             if name.startswith(prefix):
                 name = name[len(prefix) :]
                 break
-        if (
-            name.startswith(("visual.", "model.visual.", "vision_tower."))
-            or "rotary_emb." in name
-        ):
+        if name.startswith(("visual.", "model.visual.", "vision_tower.")) or "rotary_emb." in name:
             return None
         return name
 
@@ -284,9 +239,7 @@ class HybridForCausalLM(nn.Module):
         used: set[str] = set()
         for hf_name, tensor in weights:
             name = self._strip_prefix(hf_name)
-            if name is None or (
-                name.startswith("lm_head.") and self.tie_word_embeddings
-            ):
+            if name is None or (name.startswith("lm_head.") and self.tie_word_embeddings):
                 continue
             if name.startswith("mtp."):
                 if self.mtp is None:
@@ -298,13 +251,9 @@ class HybridForCausalLM(nn.Module):
             else:
                 _copy_param(self, name, tensor)
             used.add(hf_name)
-        if self.mtp is not None and not any(
-            n.split(".", 1)[0] == "mtp" for n in map(self._strip_prefix, used) if n
-        ):
+        if self.mtp is not None and not any(n.split(".", 1)[0] == "mtp" for n in map(self._strip_prefix, used) if n):
             self.mtp = None  # the checkpoint carries no MTP weights
         missing = [n for n, p in self.named_parameters() if torch.isnan(p).any()]
         if missing:
-            raise ValueError(
-                f"checkpoint left {len(missing)} parameters unwritten, e.g. {missing[:5]}"
-            )
+            raise ValueError(f"checkpoint left {len(missing)} parameters unwritten, e.g. {missing[:5]}")
         return used

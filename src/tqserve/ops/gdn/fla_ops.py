@@ -16,9 +16,7 @@ from tqserve.attention.backend import AttentionMetadata
 CHUNK = 64  # fla's chunk size for both causal_conv1d and chunk_gated_delta_rule
 
 
-def chunk_indices_host(
-    query_start_loc_cpu: list[int], chunk: int = CHUNK
-) -> torch.Tensor:
+def chunk_indices_host(query_start_loc_cpu: list[int], chunk: int = CHUNK) -> torch.Tensor:
     """[num_chunks, 2] int64 (request index, chunk index within the request) on the host.
 
     Host-side metadata: this belongs to the input-batch builder (it may precompute it into
@@ -35,11 +33,7 @@ def step_chunk_metadata(meta: AttentionMetadata, device: torch.device) -> dict:
     idx = meta.extra.get("gdn_chunk_indices")
     if idx is None:
         host = chunk_indices_host(meta.query_start_loc_cpu[: n + 1])
-        idx = (
-            host.pin_memory().to(device, non_blocking=True)
-            if device.type == "cuda"
-            else host
-        )
+        idx = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     # A fresh tensor each step (copy=True even if already int64): see the module docstring.
     cu = meta.query_start_loc[: n + 1].to(torch.int64, copy=True)
     return {"cu_seqlens": cu, "chunk_indices": idx}
@@ -68,9 +62,7 @@ def gdn_prefill_fla(
     t_real = info.num_real_tokens
     fla_meta, slots, has = info.fla, info.slots, info.has_context
     x = mixed_qkv[:t_real].unsqueeze(0)
-    conv0 = torch.where(has[:, None, None], conv_pool.index_select(0, slots), 0.0).to(
-        x.dtype
-    )
+    conv0 = torch.where(has[:, None, None], conv_pool.index_select(0, slots), 0.0).to(x.dtype)
     y, conv_final = causal_conv1d(
         x, weight=conv_weight, bias=None, initial_state=conv0, output_final_state=True, activation="silu",
         cu_seqlens=fla_meta["cu_seqlens"], chunk_indices=fla_meta["chunk_indices"],
@@ -80,9 +72,7 @@ def gdn_prefill_fla(
     q = y[:, :key_dim].reshape(1, t_real, hk, dk)
     k = y[:, key_dim : 2 * key_dim].reshape(1, t_real, hk, dk)
     v = y[:, 2 * key_dim :].reshape(1, t_real, hv, dv)
-    g = -A_log.float().exp() * torch.nn.functional.softplus(
-        a[:t_real].float() + dt_bias.float()
-    )
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a[:t_real].float() + dt_bias.float())
     beta = b[:t_real].sigmoid()
     ssm0 = torch.where(has[:, None, None, None], ssm_pool.index_select(0, slots), 0.0)
     o, ssm_final = chunk_gated_delta_rule(

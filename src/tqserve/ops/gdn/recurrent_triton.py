@@ -37,17 +37,13 @@ def _conv_update_kernel(
     m_d = offs < D
     slot = tl.load(slots_ptr + b).to(tl.int64)
     if slot <= 0:
-        tl.store(
-            out_ptr + b * D + offs, tl.zeros([BLOCK_D], dtype=tl.float32), mask=m_d
-        )
+        tl.store(out_ptr + b * D + offs, tl.zeros([BLOCK_D], dtype=tl.float32), mask=m_d)
         return
     has_ctx = tl.load(seq_lens_ptr + b) > 1
     cols = tl.arange(0, KP)
     base = state_ptr + slot * stride_state + offs[:, None] * K
     # Shift the window left by one: new column j is old column j + 1; the last one is this token.
-    prev = tl.load(
-        base + cols[None, :] + 1, mask=m_d[:, None] & (cols[None, :] + 1 < K), other=0.0
-    )
+    prev = tl.load(base + cols[None, :] + 1, mask=m_d[:, None] & (cols[None, :] + 1 < K), other=0.0)
     prev = tl.where(has_ctx, prev, 0.0)
     x = tl.load(x_ptr + b * stride_x + offs, mask=m_d, other=0.0).to(tl.float32)
     window = tl.where(cols[None, :] == K - 1, x[:, None], prev)
@@ -104,9 +100,7 @@ def _recurrent_update_kernel(
     q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
     # Gates: g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus threshold 20), beta = sigmoid(b).
-    x = tl.load(a_ptr + b * stride_ab + hv).to(tl.float32) + tl.load(
-        dt_bias_ptr + hv
-    ).to(tl.float32)
+    x = tl.load(a_ptr + b * stride_ab + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
     g = -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32)) * softplus
     beta = tl.sigmoid(tl.load(b_ptr + b * stride_ab + hv).to(tl.float32))
@@ -155,12 +149,7 @@ def recurrent_update(
     Returns the core output [B, Hv, dv] fp32."""
     hk, dk, hv, dv = dims
     bsz, d = qkv.shape
-    assert (
-        qkv.is_contiguous()
-        and ssm_pool.is_contiguous()
-        and a.stride(1) == 1
-        and a.stride() == b.stride()
-    )
+    assert qkv.is_contiguous() and ssm_pool.is_contiguous() and a.stride(1) == 1 and a.stride() == b.stride()
     out = torch.empty(bsz, hv, dv, dtype=torch.float32, device=qkv.device)
     bv = min(32, triton.next_power_of_2(dv))
     _recurrent_update_kernel[(bsz, hv, triton.cdiv(dv, bv))](

@@ -60,11 +60,7 @@ def recurrent_gated_delta_rule(
     num_v_heads, dv = v.shape[1], v.shape[2]
     q, k = _prepare_qk(q, k, num_v_heads, use_l2norm)
     v, g, beta = v.float(), g.float(), beta.float()
-    s = (
-        torch.zeros(num_v_heads, q.shape[-1], dv, dtype=torch.float32, device=v.device)
-        if state is None
-        else state
-    )
+    s = torch.zeros(num_v_heads, q.shape[-1], dv, dtype=torch.float32, device=v.device) if state is None else state
     s = s.float().clone()
     out = torch.empty(v.shape[0], num_v_heads, dv, dtype=torch.float32, device=v.device)
     for t in range(v.shape[0]):
@@ -101,11 +97,7 @@ def chunk_gated_delta_rule(
     q, k, v = (x.transpose(0, 1) for x in (q, k, v.float()))
     g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)
     dk = q.shape[-1]
-    s = (
-        torch.zeros(num_v_heads, dk, dv, dtype=torch.float32, device=v.device)
-        if state is None
-        else state
-    )
+    s = torch.zeros(num_v_heads, dk, dv, dtype=torch.float32, device=v.device) if state is None else state
     s = s.float().clone()
     out = torch.empty(num_v_heads, length, dv, dtype=torch.float32, device=v.device)
     for start in range(0, length, chunk_size):
@@ -122,21 +114,12 @@ def chunk_gated_delta_rule(
         a_mat = (bc * kc) @ kc.transpose(-1, -2) * strict
         eye = torch.eye(n, dtype=torch.float32, device=v.device).expand_as(a_mat)
         lhs = eye + a_mat
-        rhs_v = torch.linalg.solve_triangular(
-            lhs, bc * vc, upper=False, unitriangular=True
-        )
-        rhs_k = torch.linalg.solve_triangular(
-            lhs, bc * cum.exp()[..., None] * kc, upper=False, unitriangular=True
-        )
+        rhs_v = torch.linalg.solve_triangular(lhs, bc * vc, upper=False, unitriangular=True)
+        rhs_k = torch.linalg.solve_triangular(lhs, bc * cum.exp()[..., None] * kc, upper=False, unitriangular=True)
         u = rhs_v - rhs_k @ s
-        out[:, start:end] = (cum.exp()[..., None] * qc) @ s + (
-            (qc @ kc.transpose(-1, -2)) * decay
-        ) @ u
+        out[:, start:end] = (cum.exp()[..., None] * qc) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u
         last = cum[:, -1:]
-        s = (
-            last.exp()[..., None] * s
-            + ((last - cum).exp()[..., None] * kc).transpose(-1, -2) @ u
-        )
+        s = last.exp()[..., None] * s + ((last - cum).exp()[..., None] * kc).transpose(-1, -2) @ u
     return out.transpose(0, 1), s
 
 
@@ -151,11 +134,7 @@ def causal_conv1d(
     (the K previous inputs, most recent last) or None (zeros). Returns (y [T, D] in x's dtype,
     new state [D, K] fp32 = the last K inputs of state ++ x)."""
     d, width = weight.shape
-    prev = (
-        torch.zeros(d, width, dtype=torch.float32, device=x.device)
-        if state is None
-        else state.float()
-    )
+    prev = torch.zeros(d, width, dtype=torch.float32, device=x.device) if state is None else state.float()
     seq = torch.cat([prev, x.float().transpose(0, 1)], dim=1)  # [D, K + T]
     # Output t sees inputs t-K+1..t, i.e. columns t+1..t+K of `seq` (column 0 is never needed).
     windows = seq[:, 1:].unfold(1, width, 1)  # [D, T, K]
@@ -191,9 +170,7 @@ def gdn_varlen_reference(
     Returns the core output [T, Hv, dv] fp32 (zeros for rows of skipped requests and padding)."""
     hk, dk, hv, dv = dims
     key_dim = hk * dk
-    out = torch.zeros(
-        mixed_qkv.shape[0], hv, dv, dtype=torch.float32, device=mixed_qkv.device
-    )
+    out = torch.zeros(mixed_qkv.shape[0], hv, dv, dtype=torch.float32, device=mixed_qkv.device)
     for i, slot in enumerate(seq_slots):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         if slot == 0 or end == start:
@@ -201,9 +178,7 @@ def gdn_varlen_reference(
         fresh = seq_lens[i] == end - start
         conv_state = None if fresh else conv_pool[slot]
         ssm_state = None if fresh else ssm_pool[slot]
-        x, conv_pool[slot] = causal_conv1d(
-            mixed_qkv[start:end], conv_weight, conv_bias, conv_state
-        )
+        x, conv_pool[slot] = causal_conv1d(mixed_qkv[start:end], conv_weight, conv_bias, conv_state)
         q = x[:, :key_dim].reshape(-1, hk, dk)
         k = x[:, key_dim : 2 * key_dim].reshape(-1, hk, dk)
         v = x[:, 2 * key_dim :].reshape(-1, hv, dv)

@@ -17,23 +17,13 @@ StateSpec = tuple[tuple[int, int], tuple[int, int, int]]
 
 
 class StatePool:
-    def __init__(
-        self, state_specs: list[StateSpec], num_slots: int, device: torch.device | str
-    ) -> None:
+    def __init__(self, state_specs: list[StateSpec], num_slots: int, device: torch.device | str) -> None:
         if num_slots < 2:
-            raise ValueError(
-                "a StatePool needs the null slot 0 plus at least one real slot"
-            )
+            raise ValueError("a StatePool needs the null slot 0 plus at least one real slot")
         self.num_slots = num_slots
         self.device = torch.device(device)
-        self.conv = [
-            torch.zeros(num_slots, *conv, dtype=torch.float32, device=device)
-            for conv, _ in state_specs
-        ]
-        self.ssm = [
-            torch.zeros(num_slots, *ssm, dtype=torch.float32, device=device)
-            for _, ssm in state_specs
-        ]
+        self.conv = [torch.zeros(num_slots, *conv, dtype=torch.float32, device=device) for conv, _ in state_specs]
+        self.ssm = [torch.zeros(num_slots, *ssm, dtype=torch.float32, device=device) for _, ssm in state_specs]
 
     @property
     def num_layers(self) -> int:
