@@ -45,7 +45,9 @@ class EngineRunner:
             max_model_len=max_model_len + 16,
             enable_prefix_caching=False,
             max_num_batched_tokens=self.chunk,
-            max_num_seqs=1,
+            # Generous request slots: each sink-preset request holds a sink slot (2 * max_num_seqs + 2
+            # of them) and, without prefix caching, the engine does not hand them back (see report).
+            max_num_seqs=64,
             kv_cache_memory_bytes=_kv_bytes(max_model_len + 16),
         )
         self.tokenizer = self.llm.get_tokenizer()
