@@ -134,3 +134,25 @@ def test_duplicate_request_id_rejected():
     s.add_request(req(0, 4))
     with pytest.raises(ValueError, match="request_id"):
         s.add_request(req(0, 4))
+
+
+def test_sink_slots_are_returned_without_prefix_caching():
+    """Every request of a sink preset takes a sink slot with its first page; with prefix caching
+    off (pages never cached) the slot must come back when the request ends."""
+    s = make(bs=4, budget=64, max_seqs=2, prefix=False, sink=2)
+    for i in range(20):  # far more requests than the 2 * max_num_seqs + 1 sink slots
+        s.add_request(req(i, 9, max_tokens=2, base=50 * i))
+    run_to_completion(s)
+    assert len(s.kv.free_sink_slots) == 2 * 2 + 1
+    assert not s.kv.sink_of_page
+
+
+def test_sink_slots_follow_cached_first_pages():
+    s = make(num_blocks=16, bs=4, budget=64, max_seqs=2, sink=2, window=4)
+    for i in range(12):
+        s.add_request(req(i, 13, max_tokens=2, base=50 * i))
+    run_to_completion(s)
+    kv = s.kv
+    # Sinks are kept only for first pages still findable in the prefix cache.
+    assert set(kv.sink_of_page) <= set(kv.pool.cached.values())
+    assert len(kv.free_sink_slots) + len(kv.sink_of_page) == 2 * 2 + 1

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 class BlockPool:
     def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
+        """`on_evict(page)` is called when a page's content can no longer be found: it was taken
+        for reuse or uncached, or it was freed without ever being cached."""
         if num_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (page 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -69,6 +71,8 @@ class BlockPool:
             assert self.ref_cnt[block] >= 0, f"page {block} freed twice"
             if self.ref_cnt[block] == 0:
                 self.free[block] = None
+                if self.block_hash[block] is None and self.on_evict is not None:
+                    self.on_evict(block)  # nobody can hit an uncached page: its side data is dead
 
     def register(self, block: int, block_hash: int) -> None:
         """Record a full page under its chained hash. A page with the same content already cached
