@@ -97,3 +97,24 @@ def test_turboquant_preset_chunk_invariance(ckpt):
     whole = run(path, prompts, kv_cache_dtype="tq4", max_num_batched_tokens=4096)[0]
     chunked = run(path, prompts, kv_cache_dtype="tq4", max_num_batched_tokens=5)[0]
     assert chunked == whole
+
+
+def test_multi_turn_chat_hits_state_checkpoints(ckpt, capsys):
+    """Each turn's prompt is the previous conversation (prompt + answer) plus a new message: the
+    state checkpoint at the previous prompt's last full block gives hits, and the answers equal a
+    run without prefix caching."""
+    path, _, prompts = ckpt
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cached = LLM(model=path, dtype="float32", max_model_len=256, enable_prefix_caching=True, max_num_batched_tokens=64)
+    plain = LLM(model=path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    conv = list(prompts[5][:40])
+    for turn in range(4):
+        a = cached.generate([{"prompt_token_ids": conv}], params)[0].outputs[0].token_ids
+        b = plain.generate([{"prompt_token_ids": conv}], params)[0].outputs[0].token_ids
+        assert a == b, turn
+        conv = conv + a + [11 + turn, 12 + turn, 13 + turn]  # the answer, then the next user message
+    stats = cached.engine.get_stats()
+    rate = stats["prefix_cache_hits"] / stats["prefix_cache_queries"]
+    with capsys.disabled():
+        print(f"\nhybrid multi-turn prefix-cache hit rate: {rate:.1%} over 4 turns")
+    assert rate > 0.4

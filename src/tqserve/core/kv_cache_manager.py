@@ -106,7 +106,7 @@ class KVCacheManager:
             return [], 0, 0, None
         return pages, hit, resume, ckpt
 
-    def admit(self, request: Request, pages: list[int], num_hit: int) -> bool:
+    def admit(self, request: Request, pages: list[int], num_skipped: int) -> bool:
         """Give a waiting request its sequence slot and shared pages. False if no slot is free."""
         if not self.free_seq_slots:
             return False
@@ -115,7 +115,7 @@ class KVCacheManager:
             self.pool.touch(p)
         self.block_tables[request.request_id] = list(pages)
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += num_hit
+        self.prefix_hits += num_skipped
         return True
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:

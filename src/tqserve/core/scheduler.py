@@ -82,7 +82,9 @@ class Scheduler:
             n = self._chunk(req, resume, budget)
             if n <= 0:
                 break
-            if not self.kv.admit(req, pages, hit):
+            # Hits count the tokens whose computation is skipped (a window or a state checkpoint
+            # may resume earlier than the shared pages reach).
+            if not self.kv.admit(req, pages, resume):
                 break
             req.num_computed_tokens = resume
             if not self.kv.allocate_slots(req, n):
@@ -91,7 +93,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit
+                req.num_cached_tokens = resume
             req.num_page_tokens_cached = hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
