@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tqserve.attention.reference import KVCacheStore, ReferenceBackend
@@ -11,14 +12,21 @@ from tqserve.engine.input_batch import InputBatchBuilder
 from tqserve.kvquant.base import ExactFormat
 
 
-def test_batched_decode_matches_reference():
+@pytest.mark.parametrize("preset", ["auto", "turboquant_4bit_nc", "fp8"])
+def test_batched_decode_matches_reference(preset):
     torch.manual_seed(0)
     hq, hkv, d, bs = 6, 2, 16, 4
-    fmt = [ExactFormat(hkv, d, torch.float32, 0)]
+    if preset == "auto":
+        fmt = [ExactFormat(hkv, d, torch.float32, 0)]
+    else:
+        from tqserve.kvquant.presets import make_layer_format
+
+        fmt = [make_layer_format(preset, 0, hkv, d, torch.float32)]
     store = KVCacheStore(fmt, 64, bs, 8, 8, torch.device("cpu"))
     pages = store.pages[0]
-    pages["k"].normal_()
-    pages["v"].normal_()
+    # Fill every page through the format's own writer, from random K/V.
+    slots = torch.arange(64 * bs)
+    fmt[0].write(pages, torch.randn(64 * bs, hkv, d), torch.randn(64 * bs, hkv, d), slots)
     lens = [(9, 1), (1, 1), (23, 3), (16, 1), (5, 5)]  # (seq_len, query_len)
     reqs, nxt = [], 1
     for i, (sl, ql) in enumerate(lens):

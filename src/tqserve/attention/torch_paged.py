@@ -6,8 +6,10 @@ and presets with exact sink/window copies go through the reference, which define
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tqserve.attention.reference import ReferenceBackend, _request_index
+from tqserve.kvquant.base import ExactFormat
 
 # Steps whose longest query is at most this go through the batched path.
 MAX_BATCHED_QUERY = 16
@@ -23,35 +25,63 @@ class TorchPagedBackend(ReferenceBackend):
         return _batched_attention(q, fmt, pages, self.store.block_size, meta, scale)
 
 
-def _batched_attention(q, fmt, pages, bs, meta, scale):
-    dev = q.device
+def _step_plan(meta, bs: int) -> dict:
+    """Index vectors and the mask shared by every layer of a step (built once, kept in meta.extra)."""
+    plan = meta.extra.get("torch_paged")
+    if plan is not None:
+        return plan
+    dev = meta.query_start_loc.device
     r, t = meta.num_reqs, meta.num_tokens
     lmax, qmax = meta.max_seq_len, meta.max_query_len
-    hq, d = q.shape[1], q.shape[2]
     seq_lens = meta.seq_lens[:r].long()
-    key_pos = torch.arange(lmax, device=dev)
-    valid = key_pos[None, :] < seq_lens[:, None]  # [R, L]
-    table = meta.block_tables[:r].long()
-    blk = torch.gather(table, 1, (key_pos // bs).expand(r, lmax).clamp(max=table.shape[1] - 1))
-    slots = torch.where(valid, blk * bs + key_pos % bs, 0)
-    keys, vals = fmt.read(pages, slots.reshape(-1))
-    hkv = keys.shape[1]
-    keys = keys.view(r, lmax, hkv, d)
-    vals = vals.view(r, lmax, hkv, d)
-    # Pad queries to [R, Qmax]: token j of request i sits at row i, column j - query_start[i].
+    nblk = -(-lmax // bs)
+    # Token j of request i sits at row i, column j - query_start[i] of the padded queries.
     req = _request_index(meta)[:t]
     col = torch.arange(t, device=dev) - meta.query_start_loc[req].long()
-    qp = torch.zeros(r, qmax, hq, d, dtype=torch.float32, device=dev)
-    qp[req, col] = q[:t].float()
     qlen = (meta.query_start_loc[1 : r + 1] - meta.query_start_loc[:r]).long()
     q_pos = (seq_lens - qlen)[:, None] + torch.arange(qmax, device=dev)[None, :]  # [R, Qmax]
-    group = hq // hkv
-    qg = qp.view(r, qmax, hkv, group, d)
-    s = torch.einsum("rqhgd,rkhd->rhgqk", qg, keys) * scale
-    allowed = valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [R, Q, L]
-    s = s.masked_fill(~allowed[:, None, None], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # padded query rows have no key
-    o = torch.einsum("rhgqk,rkhd->rqhgd", p, vals).reshape(r, qmax, hq, d)
+    key_pos = torch.arange(lmax, device=dev)
+    # Causal within the request's own length (pages past it are stale or page 0); padded query rows
+    # see key 0 only, so no row is empty, and are discarded.
+    allowed = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    allowed |= key_pos[None, None, :] == 0
+    plan = {
+        "req": req,
+        "col": col,
+        "mask": allowed[:, None],  # [R, 1, Qmax, L]
+        "page_ids": meta.block_tables[:r, :nblk].long().reshape(-1),
+        "slots": (meta.block_tables[:r].long()[:, key_pos // bs] * bs + key_pos % bs).reshape(-1),
+        "nblk": nblk,
+    }
+    meta.extra["torch_paged"] = plan
+    return plan
+
+
+def _gather_pages(fmt, pages, plan, r: int, lmax: int):
+    """K/V of every request's first lmax positions, [R, Hkv, L, d] float32 (SDPA's layout). Exact
+    pages are gathered whole (one index_select per tensor); other formats decode token by token."""
+    if isinstance(fmt, ExactFormat):
+        out = []
+        nblk = plan["nblk"]
+        for name in ("k", "v"):
+            t = pages[name].index_select(0, plan["page_ids"])  # [R*nblk, Hkv, bs, d]
+            _, hkv, bs, d = t.shape
+            t = t.view(r, nblk, hkv, bs, d).transpose(1, 2).reshape(r, hkv, nblk * bs, d)
+            out.append(t[:, :, :lmax].float())
+        return out[0], out[1]
+    k, v = fmt.read(pages, plan["slots"])  # [R*L, Hkv, d]
+    return (x.view(r, lmax, *x.shape[1:]).transpose(1, 2) for x in (k, v))
+
+
+def _batched_attention(q, fmt, pages, bs, meta, scale):
+    r, t = meta.num_reqs, meta.num_tokens
+    plan = _step_plan(meta, bs)
+    keys, vals = _gather_pages(fmt, pages, plan, r, meta.max_seq_len)
+    qp = q.new_zeros((r, meta.max_query_len, q.shape[1], q.shape[2]), dtype=torch.float32)
+    qp[plan["req"], plan["col"]] = q[:t].float()
+    o = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), keys, vals, attn_mask=plan["mask"], scale=scale, enable_gqa=True
+    )  # [R, Hq, Qmax, d]
     out = torch.empty_like(q)
-    out[:t] = o[req, col].to(q.dtype)
+    out[:t] = o.transpose(1, 2)[plan["req"], plan["col"]].to(q.dtype)
     return out
