@@ -57,9 +57,7 @@ def test_codebooks_up_to_six_bits_are_ordered_with_midpoint_boundaries():
         cb = gaussian_codebook(bits)
         assert cb.centroids.numel() == 1 << bits
         assert (cb.centroids.diff() > 0).all()
-        assert torch.allclose(
-            cb.boundaries, 0.5 * (cb.centroids[1:] + cb.centroids[:-1])
-        )
+        assert torch.allclose(cb.boundaries, 0.5 * (cb.centroids[1:] + cb.centroids[:-1]))
     # each extra bit cuts the distortion by close to 4x, as the 4^-b bound says
     ds = [gaussian_codebook(b).distortion for b in range(1, 7)]
     assert all(3.0 < a / b < 4.2 for a, b in itertools.pairwise(ds))
@@ -68,9 +66,7 @@ def test_codebooks_up_to_six_bits_are_ordered_with_midpoint_boundaries():
 def test_sphere_codebook_d128_matches_table():
     for bits, d in SPHERE_128.items():
         assert sphere_codebook(bits, 128).distortion == pytest.approx(d, rel=5e-3)
-    assert sphere_codebook(4, 128).centroids[-1].item() == pytest.approx(
-        2.6889, abs=2e-3
-    )
+    assert sphere_codebook(4, 128).centroids[-1].item() == pytest.approx(2.6889, abs=2e-3)
 
 
 def test_fwht_is_sylvester_hadamard():
@@ -82,9 +78,7 @@ def test_fwht_is_sylvester_hadamard():
     assert torch.equal(fwht(torch.eye(n)), h)
 
 
-@pytest.mark.parametrize(
-    "d,blocks", [(64, [64]), (80, [64, 16]), (96, [64, 32]), (128, [128])]
-)
+@pytest.mark.parametrize("d,blocks", [(64, [64]), (80, [64, 16]), (96, [64, 32]), (128, [128])])
 def test_rotation_is_orthogonal_and_matches_dense(d, blocks):
     assert hadamard_blocks(d) == blocks
     rot = Rotation(d, layer_idx=5)
@@ -108,10 +102,7 @@ def test_packing_round_trip_and_size(bits):
     for d in (64, 80, 96, 128):
         idx = torch.randint(0, 1 << bits, (5, 3, d))
         packed = pack_bits(idx, bits)
-        assert (
-            packed.dtype == torch.uint8
-            and packed.shape[-1] == packed_bytes(d, bits) == d * bits // 8
-        )
+        assert packed.dtype == torch.uint8 and packed.shape[-1] == packed_bytes(d, bits) == d * bits // 8
         assert torch.equal(unpack_bits(packed, bits, d), idx)
 
 
@@ -123,10 +114,7 @@ def test_packing_bit_order_is_little_endian_stream():
     assert packed[0].item() == 0b11010001
     # index j's bit k is stream bit j*b+k
     for j in range(8):
-        val = sum(
-            ((packed[(j * 3 + k) // 8].item() >> ((j * 3 + k) % 8)) & 1) << k
-            for k in range(3)
-        )
+        val = sum(((packed[(j * 3 + k) // 8].item() >> ((j * 3 + k) % 8)) & 1) << k for k in range(3))
         assert val == idx[j].item()
 
 
@@ -159,9 +147,7 @@ def test_norm_correction_inner_products(d):
         assert ratios["unbiased"] == pytest.approx(1.0, abs=0.005)
         # vLLM's nc (n / ||c||): sqrt(1 - D); plain: 1 - D
         for mode in ("nc", "plain"):
-            assert ratios[mode] == pytest.approx(
-                ref.theory_inner_product_ratio(dist, mode), abs=0.004
-            )
+            assert ratios[mode] == pytest.approx(ref.theory_inner_product_ratio(dist, mode), abs=0.004)
         # nc reconstructions are exactly as long as x
         packed, scale = ref.tq_encode(x, rot, bits, "nc")
         xh = ref.tq_decode(packed, scale, rot, bits, d)
@@ -178,11 +164,7 @@ def test_tq_zero_vector_decodes_to_zero():
 def test_fp8_scaled_and_cast():
     x = torch.randn(64, 2, 128) * 5
     q, scale = ref.fp8_encode(x)
-    assert (
-        q.dtype == torch.float8_e4m3fn
-        and scale.dtype == torch.float16
-        and scale.shape == (64, 2)
-    )
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float16 and scale.shape == (64, 2)
     err = (ref.fp8_decode(q, scale) - x).abs() / x.abs().amax(-1, keepdim=True)
     assert err.max() < 2**-4  # 3 mantissa bits: half an ulp of the largest binade
     assert ref.fp8_cast(torch.full((1,), 1e4)).float().item() == 448.0
@@ -195,6 +177,4 @@ def test_minmax_round_trip_error_bounded(bits):
     xh = ref.minmax_decode(packed, scale, zero, bits, 64)
     step = scale.float()[:, None]
     assert ((xh - x).abs() <= 0.5 * step + 1e-2 * step + 1e-3).all()
-    assert math.isclose(
-        xh.amin(-1).sub(x.amin(-1)).abs().max().item(), 0.0, abs_tol=1e-2
-    )
+    assert math.isclose(xh.amin(-1).sub(x.amin(-1)).abs().max().item(), 0.0, abs_tol=1e-2)

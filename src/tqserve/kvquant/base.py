@@ -21,9 +21,7 @@ def null_redirect(slot_mapping: torch.Tensor) -> torch.Tensor:
     return slot_mapping.clamp(min=0)
 
 
-def page_offsets(
-    pages: torch.Tensor, slot_mapping: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def page_offsets(pages: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(page, offset) index vectors for a `[num_blocks, Hkv, block_size, ...]` tensor, skipped
     writes redirected to the null page."""
     bs = pages.shape[2]
@@ -36,9 +34,7 @@ class LayerKVFormat(ABC):
     sink: int = 0  # exact sink tokens (positions 0..sink-1)
     window: int = 0  # exact recent window W: key exact when query_pos - key_pos < W
 
-    def __init__(
-        self, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype, layer_idx: int
-    ) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype, layer_idx: int) -> None:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.model_dtype = model_dtype
@@ -49,9 +45,7 @@ class LayerKVFormat(ABC):
         """Exact bytes one token occupies in a page, all KV heads, K and V together."""
 
     @abstractmethod
-    def allocate(
-        self, num_blocks: int, block_size: int, device: torch.device
-    ) -> dict[str, torch.Tensor]:
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Allocate the page tensors of one layer."""
 
     @abstractmethod
@@ -66,9 +60,7 @@ class LayerKVFormat(ABC):
         `null_redirect`)."""
 
     @abstractmethod
-    def read(
-        self, cache: dict[str, torch.Tensor], slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, cache: dict[str, torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (k, v) [N, Hkv, d] in float32 for page slots [N], decoded from what is stored."""
 
 
@@ -89,13 +81,7 @@ class ExactFormat(LayerKVFormat):
         self.storage_dtype = storage_dtype or model_dtype
 
     def page_bytes_per_token(self) -> int:
-        return (
-            2
-            * self.num_kv_heads
-            * self.head_dim
-            * torch.finfo(self.storage_dtype).bits
-            // 8
-        )
+        return 2 * self.num_kv_heads * self.head_dim * torch.finfo(self.storage_dtype).bits // 8
 
     def allocate(self, num_blocks, block_size, device):
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)

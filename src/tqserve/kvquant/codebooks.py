@@ -29,9 +29,7 @@ class Codebook:
     boundaries: torch.Tensor  # [2^b - 1] float64
     distortion: float  # E (t - c(t))^2 for t of unit variance = E ||u - u_hat||^2 per unit vector
 
-    def scaled(
-        self, head_dim: int, dtype: torch.dtype = torch.float32
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def scaled(self, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(centroids, boundaries) for coordinates of a unit vector in head_dim dimensions."""
         s = 1.0 / math.sqrt(head_dim)
         return (self.centroids * s).to(dtype), (self.boundaries * s).to(dtype)

@@ -25,15 +25,7 @@ def _nbytes(spec: FieldSpec) -> int:
         n = 1
         for s in shape:
             n *= s
-        total += (
-            n
-            * (
-                torch.finfo(dtype).bits
-                if dtype.is_floating_point
-                else torch.iinfo(dtype).bits
-            )
-            // 8
-        )
+        total += n * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
     return total
 
 
@@ -87,9 +79,7 @@ class ExactCodec(VectorCodec):
 class TurboQuantCodec(VectorCodec):
     rotated = True
 
-    def __init__(
-        self, head_dim: int, bits: int, rotation: Rotation, scale_mode: str = "nc"
-    ) -> None:
+    def __init__(self, head_dim: int, bits: int, rotation: Rotation, scale_mode: str = "nc") -> None:
         super().__init__(head_dim)
         self.bits, self.rotation, self.scale_mode = bits, rotation, scale_mode
         self.label = f"tq{bits}-{scale_mode}"
@@ -105,9 +95,7 @@ class TurboQuantCodec(VectorCodec):
         return {"idx": idx, "scale": scale}
 
     def decode(self, f):
-        return ref.tq_decode(
-            f["idx"], f["scale"], self.rotation, self.bits, self.head_dim
-        )
+        return ref.tq_decode(f["idx"], f["scale"], self.rotation, self.bits, self.head_dim)
 
 
 class Fp8ScaledCodec(VectorCodec):
@@ -155,9 +143,7 @@ class MinMaxCodec(VectorCodec):
         return {"idx": idx, "scale": scale, "zero": zero}
 
     def decode(self, f):
-        return ref.minmax_decode(
-            f["idx"], f["scale"], f["zero"], self.bits, self.head_dim
-        )
+        return ref.minmax_decode(f["idx"], f["scale"], f["zero"], self.bits, self.head_dim)
 
 
 class CodecFormat(LayerKVFormat):
@@ -199,9 +185,7 @@ class CodecFormat(LayerKVFormat):
         return spec
 
     def page_bytes_per_token(self) -> int:
-        return self.num_kv_heads * (
-            self.key_codec.bytes_per_vector() + self.value_codec.bytes_per_vector()
-        )
+        return self.num_kv_heads * (self.key_codec.bytes_per_vector() + self.value_codec.bytes_per_vector())
 
     def allocate(self, num_blocks, block_size, device):
         return {
@@ -227,11 +211,7 @@ class CodecFormat(LayerKVFormat):
         bs = next(iter(cache.values())).shape[2]
         page, off = slots // bs, slots % bs
         n = len(prefix)
-        return {
-            name[n:]: t[page, :, off]
-            for name, t in cache.items()
-            if name.startswith(prefix)
-        }
+        return {name[n:]: t[page, :, off] for name, t in cache.items() if name.startswith(prefix)}
 
     def read(self, cache, slots):
         k = self.key_codec.decode(self._gather(cache, "k_", slots))

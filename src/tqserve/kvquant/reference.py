@@ -36,9 +36,7 @@ def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
 
 
-def tq_codebook(
-    bits: int, head_dim: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
+def tq_codebook(bits: int, head_dim: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(centroids [2^b], boundaries [2^b - 1]) float32 for unit vectors of size head_dim."""
     c, b = gaussian_codebook(bits).scaled(head_dim)
     return c.to(device), b.to(device)
@@ -47,9 +45,7 @@ def tq_codebook(
 def tq_quantize_rotated(y: torch.Tensor, bits: int) -> torch.Tensor:
     """Nearest-centroid indices of rotated unit vectors y [..., d] (int64)."""
     _, bounds = tq_codebook(bits, y.shape[-1], y.device)
-    return torch.bucketize(
-        y.float().contiguous(), bounds
-    )  # = number of boundaries strictly below y
+    return torch.bucketize(y.float().contiguous(), bounds)  # = number of boundaries strictly below y
 
 
 def tq_encode(
@@ -74,9 +70,7 @@ def tq_encode(
     return pack_bits(idx, bits), _fp16(scale)
 
 
-def tq_decode_rotated(
-    packed: torch.Tensor, scale: torch.Tensor, bits: int, head_dim: int
-) -> torch.Tensor:
+def tq_decode_rotated(packed: torch.Tensor, scale: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     """scale * c[idx]: the reconstruction in the rotated space (what the kernels accumulate), float32."""
     cents, _ = tq_codebook(bits, head_dim, packed.device)
     return cents[unpack_bits(packed, bits, head_dim)] * scale.float().unsqueeze(-1)
@@ -109,9 +103,7 @@ def fp8_cast(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def minmax_encode(
-    x: torch.Tensor, bits: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def minmax_encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row uniform b-bit: (packed uint8 [..., d*bits/8], scale fp16 [...], zero fp16 [...])."""
     x = x.float()
     levels = (1 << bits) - 1
