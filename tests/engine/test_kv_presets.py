@@ -45,8 +45,7 @@ def test_preset_runs_and_stays_close(smollm_loaded, prompt_ids, exact_logprobs, 
     llm = _llm(smollm_loaded, preset)
     fmt = llm.engine.runner.formats[3]
     hkv, d = fmt.num_kv_heads, fmt.head_dim
-    if preset != "bfloat16":  # the engine keeps exact presets in the model dtype (float32 here)
-        assert fmt.page_bytes_per_token() == describe_preset(preset, d)["page_bytes_per_token_head"] * hkv
+    assert fmt.page_bytes_per_token() == describe_preset(preset, d)["page_bytes_per_token_head"] * hkv
     lp = llm.prompt_logprobs_full(prompt_ids)
     kl = (exact_logprobs.exp() * (exact_logprobs - lp)).sum(-1).mean().item()
     assert kl < KL_BOUND[preset], (preset, kl)

@@ -17,15 +17,15 @@ from tqserve.request import Request
 
 logger = logging.getLogger(__name__)
 
-_EXACT_PRESETS = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32")
-
-
 def make_formats(model, preset: str, skip_layers: list[int], dtype: torch.dtype) -> list[LayerKVFormat]:
+    """One KV format per attention layer; `auto` keeps pages in the model dtype, every other name
+    (bfloat16 included: bf16 pages under a float32 model) comes from the preset table."""
     specs = model.kv_layer_specs()
+    preset = {"bf16": "bfloat16"}.get(preset, preset)
     formats: list[LayerKVFormat] = []
     for i, (hkv, d) in enumerate(specs):
         name = "auto" if i in skip_layers else preset
-        if name in _EXACT_PRESETS:
+        if name == "auto":
             formats.append(ExactFormat(hkv, d, dtype, i))
         else:
             from tqserve.kvquant.presets import make_layer_format
