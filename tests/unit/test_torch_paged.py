@@ -11,9 +11,13 @@ from tqserve.core.outputs import ScheduledRequest, SchedulerOutput
 from tqserve.engine.input_batch import InputBatchBuilder
 from tqserve.kvquant.base import ExactFormat
 
+MIXED = [(9, 1), (1, 1), (23, 3), (16, 1), (5, 5)]  # (seq_len, query_len): decode and verify
+UNIFORM = [(13, 1)] * 4  # same-length decodes: the unmasked path
 
+
+@pytest.mark.parametrize("lens", [MIXED, UNIFORM, [(7, 1)]], ids=["mixed", "uniform", "single"])
 @pytest.mark.parametrize("preset", ["auto", "turboquant_4bit_nc", "fp8"])
-def test_batched_decode_matches_reference(preset):
+def test_batched_decode_matches_reference(preset, lens):
     torch.manual_seed(0)
     hq, hkv, d, bs = 6, 2, 16, 4
     if preset == "auto":
@@ -27,7 +31,6 @@ def test_batched_decode_matches_reference(preset):
     # Fill every page through the format's own writer, from random K/V.
     slots = torch.arange(64 * bs)
     fmt[0].write(pages, torch.randn(64 * bs, hkv, d), torch.randn(64 * bs, hkv, d), slots)
-    lens = [(9, 1), (1, 1), (23, 3), (16, 1), (5, 5)]  # (seq_len, query_len)
     reqs, nxt = [], 1
     for i, (sl, ql) in enumerate(lens):
         nb = -(-sl // bs)

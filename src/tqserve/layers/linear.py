@@ -44,3 +44,15 @@ class MergedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.out_sizes, dim=-1)
+
+    def shards(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections of x, one per shard. On CUDA one fused matmul (fewer launches); on the
+        CPU one matmul per shard over row views of the weight, which MKL runs faster than the
+        wide fused matmul plus the split (measured on SmolLM2 decode batches)."""
+        if x.is_cuda:
+            return self.split(self(x))
+        out = []
+        for start, size in zip(self.offsets, self.out_sizes):
+            b = None if self.bias is None else self.bias[start : start + size]
+            out.append(F.linear(x, self.weight[start : start + size], b))
+        return tuple(out)
