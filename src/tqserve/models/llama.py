@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tqserve.layers.activation import SiluAndMul
 from tqserve.layers.attention import Attention, ForwardContext
 from tqserve.layers.embedding import LMHead, VocabEmbedding
 from tqserve.layers.linear import Linear, MergedLinear
@@ -73,7 +72,6 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], bias=bias, dtype=dtype)
         self.down_proj = Linear(inter, cfg.hidden_size, bias=bias, dtype=dtype)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.shards(x)
