@@ -1,9 +1,9 @@
-"""Prefill and decode tokens/s of a random-weight Qwen3.5-4B-shaped model: tqserve's hybrid model
-(fla prefill, Triton GDN decode, driven by the test driver with a torch SDPA KV backend, no engine,
-no CUDA graphs) side by side with transformers (its fla fast path when fla is installed) in the same
-process on the same card.
+"""Prefill and decode tokens/s of a random-weight Qwen3.5-4B-shaped model through the tqserve
+engine (LLM: scheduler, input-batch builder, fla prefill chunks, Triton GDN decode, Triton paged
+attention, sampler) side by side with transformers' implementation (its fla fast path when fla is
+installed) in the same process on the same card, with the same weights.
 
-    PYTHONPATH=src:tests python benchmarks/hybrid_bench.py --out bench.json
+    PYTHONPATH=src:tests python benchmarks/hybrid_bench.py --out bench.json [--kv-cache-dtype auto tq4]
 """
 
 from __future__ import annotations
@@ -30,34 +30,68 @@ def qwen35_4b_config(layers: int):
     return cfg
 
 
-def timed(fn, reps: int = 1) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-class OursRunner:
-    def __init__(self, model, num_slots: int, max_len: int) -> None:
-        import hybrid_factory as hf
+def engine_prefill(llm, prompts: list[list[int]]) -> tuple[float, list[int]]:
+    """Seconds for the engine to prefill every prompt and sample its first token."""
+    from tqserve import SamplingParams
 
-        self.hf, self.model = hf, model
-        self.drv = hf.Driver(model, num_slots=num_slots, max_len=max_len)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    _sync()
+    t = time.perf_counter()
+    outs = llm.generate(reqs, params)
+    _sync()
+    return time.perf_counter() - t, [o.outputs[0].token_ids[0] for o in outs]
 
-    @torch.no_grad()
-    def step(self, batch):
-        """batch: (slot, token ids, context length). Returns the next greedy token per request."""
-        from tqserve.layers.attention import ForwardContext
 
-        meta = self.hf.build_meta([(s, c, len(t)) for s, t, c in batch], "cuda")
-        ctx = ForwardContext(self.drv.backend, meta)
-        ctx.state_pool = self.drv.pool
-        ids = torch.tensor([i for _, t, _ in batch for i in t], device="cuda")
-        hidden = self.model(ids, meta.positions, ctx)
-        last = meta.query_start_loc[1:].long() - 1
-        return self.model.compute_logits(hidden[last]).argmax(-1)
+def engine_decode(llm, prompts: list[list[int]], steps: int) -> float:
+    """Tokens/s of the engine steps in which every request decodes (prefill done first, untimed)."""
+    from tqserve import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"d{time.perf_counter_ns()}-{i}", p, params)
+    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+        eng.step()
+    _sync()
+    t = time.perf_counter()
+    tokens = 0
+    while eng.has_unfinished_requests():
+        tokens += len(eng.scheduler.running)
+        eng.step()
+    _sync()
+    return tokens / (time.perf_counter() - t)
+
+
+def hf_prefill(ref, prompts: torch.Tensor) -> tuple[float, torch.Tensor]:
+    with torch.no_grad():
+        _sync()
+        t = time.perf_counter()
+        out = ref(prompts, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1)
+        _sync()
+    return time.perf_counter() - t, nxt
+
+
+def hf_decode(ref, cfg, prompts: torch.Tensor, steps: int) -> float:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=cfg)
+    with torch.no_grad():
+        out = ref(prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1].argmax(-1)
+        _sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = ref(tok[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            tok = out.logits[:, -1].argmax(-1)
+        _sync()
+    return prompts.shape[0] * steps / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -68,85 +102,82 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=32)
     ap.add_argument("--decode-ctx", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM, DynamicCache
+    import model_factory
+    from transformers import AutoModelForCausalLM
 
+    from tqserve import LLM
     from tqserve.models.qwen3_5 import Qwen3_5ForCausalLM
+    from tqserve.tokenizer import Tokenizer
 
     cfg = qwen35_4b_config(args.layers)
+    dev = "cuda"
+    if args.smoke:
+        dev = "cpu"
+        for k, v in dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=16).items():  # fmt: skip
+            setattr(cfg, k, v)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(dev):
         ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
         ours = Qwen3_5ForCausalLM(cfg, torch.bfloat16)
     ours.load_weights(ref.state_dict().items())
+    # Token ids only: the tiny tokenizer just detokenizes (ids beyond its vocabulary decode to "").
+    tok = Tokenizer(model_factory.make_tiny_tokenizer())
     res: dict = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
         "layers": args.layers,
         "dtype": "bfloat16",
+        "rows": [],
     }
     vocab = cfg.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    pre = torch.randint(0, vocab, (args.prefill_batch, args.prefill_len), generator=gen)
+    dec = torch.randint(0, vocab, (args.decode_batch, args.decode_ctx), generator=gen)
 
-    # ---- prefill: B prompts of L tokens in one step --------------------------------------------
-    b, n = args.prefill_batch, args.prefill_len
-    prompts = torch.randint(0, vocab, (b, n), device="cuda")
-    runner = OursRunner(
-        ours,
-        num_slots=max(b, args.decode_batch) + 1,
-        max_len=max(n, args.decode_ctx) + 64,
-    )
-    batch = [(i + 1, prompts[i].tolist(), 0) for i in range(b)]
-    ours_next = runner.step(batch)  # warmup: Triton JIT + fla autotune
-    t_ours = timed(lambda: runner.step(batch), 2)
-    with torch.no_grad():
-        ref_out = ref(prompts, logits_to_keep=1)
-        t_ref = timed(lambda: ref(prompts, logits_to_keep=1), 2)
-    res["prefill"] = {
-        "batch": b, "len": n, "tqserve_tok_s": b * n / t_ours, "transformers_tok_s": b * n / t_ref,
-        "top1_agree": float((ref_out.logits[:, -1].argmax(-1) == ours_next).float().mean()),
-    }  # fmt: skip
-    print(json.dumps(res["prefill"]), flush=True)
+    # transformers first (warm-up call, then the timed one), same prompts as the engine gets.
+    hf_prefill(ref, pre.to(dev))
+    t_ref, ref_next = hf_prefill(ref, pre.to(dev))
+    hf_decode(ref, cfg, dec[:, :16].to(dev), 2)
+    ref_dec = hf_decode(ref, cfg, dec.to(dev), args.decode_steps)
+    ref_pre = pre.numel() / t_ref
+    print(f"transformers: prefill {ref_pre:.0f} tok/s, decode {ref_dec:.1f} tok/s", flush=True)
 
-    # ---- decode: B requests with C context tokens, S greedy steps ------------------------------
-    b, c, steps = args.decode_batch, args.decode_ctx, args.decode_steps
-    prompts = torch.randint(0, vocab, (b, c), device="cuda")
-    nxt = runner.step([(i + 1, prompts[i].tolist(), 0) for i in range(b)])
-
-    def ours_decode():
-        tok = nxt
-        for s in range(steps):
-            tok = runner.step([(i + 1, [int(x)], c + s) for i, x in enumerate(tok.tolist())])
-
-    ours_decode()  # warmup (overwrites the same positions: fine for timing)
-    runner.step([(i + 1, prompts[i].tolist(), 0) for i in range(b)])
-    t_ours = timed(ours_decode)
-
-    def ref_decode():
-        cache = DynamicCache(config=cfg)
-        with torch.no_grad():
-            out = ref(prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            tok = out.logits[:, -1].argmax(-1)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                out = ref(
-                    tok[:, None],
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                tok = out.logits[:, -1].argmax(-1)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t0
-
-    ref_decode()
-    t_ref = ref_decode()
-    res["decode"] = {
-        "batch": b, "context": c, "steps": steps,
-        "tqserve_tok_s": b * steps / t_ours, "transformers_tok_s": b * steps / t_ref,
-    }  # fmt: skip
-    print(json.dumps(res["decode"]), flush=True)
+    for kv in args.kv_cache_dtype:
+        llm = LLM(
+            loaded=(ours, cfg, tok),
+            device=dev,
+            dtype="bfloat16",
+            kv_cache_dtype=kv,
+            max_model_len=max(args.prefill_len, args.decode_ctx) + args.decode_steps + 16,
+            max_num_seqs=max(args.prefill_batch, args.decode_batch),
+            max_num_batched_tokens=max(args.prefill_batch * args.prefill_len, 2048),
+            enable_prefix_caching=False,
+            gpu_memory_utilization=0.6,
+        )
+        engine_prefill(llm, pre[:, :64].tolist())  # warm-up: Triton JIT, fla autotune
+        engine_decode(llm, dec[:, :32].tolist(), 4)
+        t_ours, our_next = engine_prefill(llm, pre.tolist())
+        ours_dec = engine_decode(llm, dec.tolist(), args.decode_steps)
+        row = {
+            "kv_cache_dtype": kv,
+            "prefill": {"batch": args.prefill_batch, "len": args.prefill_len,
+                        "tqserve_tok_s": pre.numel() / t_ours, "transformers_tok_s": ref_pre,
+                        "ratio": (pre.numel() / t_ours) / ref_pre,
+                        "top1_agree": float((torch.tensor(our_next) == ref_next.cpu()).float().mean())},
+            "decode": {"batch": args.decode_batch, "context": args.decode_ctx, "steps": args.decode_steps,
+                       "tqserve_tok_s": ours_dec, "transformers_tok_s": ref_dec, "ratio": ours_dec / ref_dec},
+        }  # fmt: skip
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        del llm
+        torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
