@@ -1,6 +1,7 @@
 """Profile a few decode steps of the engine (GPU): where a step's time goes, per KV preset.
 
 python benchmarks/profile_decode.py --batch 64 --prompt-len 4096 --kv auto turboquant_4bit_nc
+python benchmarks/profile_decode.py --hybrid-layers 4 --batch 32 --prompt-len 256 --kv auto tq4   (Qwen3.5-4B-shaped)
 """
 
 from __future__ import annotations
@@ -20,8 +21,23 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--kv", nargs="+", default=["auto"])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--hybrid-layers", type=int, default=0, help="random Qwen3.5-4B-shaped model of this many layers")
     args = p.parse_args()
-    loaded = load_model(None, torch.bfloat16, "cuda")
+    if args.hybrid_layers:
+        import model_factory
+        from hybrid_bench import qwen35_4b_config
+
+        from tqserve.models.qwen3_5 import Qwen3_5ForCausalLM
+        from tqserve.tokenizer import Tokenizer
+
+        cfg = qwen35_4b_config(args.hybrid_layers)
+        with torch.device("cuda"):
+            model = Qwen3_5ForCausalLM(cfg, torch.bfloat16)
+        for prm in model.parameters():
+            prm.data.normal_(0, 0.02)
+        loaded = (model, cfg, Tokenizer(model_factory.make_tiny_tokenizer()))
+    else:
+        loaded = load_model(None, torch.bfloat16, "cuda")
     for kv in args.kv:
         llm = LLM(
             loaded=loaded,
@@ -30,15 +46,21 @@ def main() -> None:
             kv_cache_dtype=kv,
             max_model_len=args.prompt_len + 64,
             max_num_seqs=args.batch,
+            gpu_memory_utilization=0.5,
         )
         eng = llm.engine
-        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
         vocab = eng.model_config.vocab_size
         for i in range(args.batch):
             eng.add_request(f"r{i}", [(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt_len)], params)
         while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
             eng.step()
-        eng.step()
+        for _ in range(3):  # per-step times: a compile inside a step shows up here
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            print(f"kv={kv} step {(time.perf_counter() - t) * 1e3:.1f} ms", flush=True)
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.profiler.profile(
@@ -51,6 +73,8 @@ def main() -> None:
         print(f"=== kv={kv}: {dt * 1e3:.1f} ms per decode step (batch {args.batch}, ctx {args.prompt_len})")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+        del llm, eng
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def test_engine_cuda_matches_cpu_reference(tmp_path):
             max_model_len=256,
             max_num_batched_tokens=budget,
             enable_prefix_caching=False,
+            kv_cache_memory_bytes=256 << 20,
         )
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         assert got == expected, budget

@@ -53,6 +53,9 @@ def plan_num_blocks(
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
     elif device.type == "cuda":
+        # Memory cached by torch's allocator but unused (an engine freed earlier in this process)
+        # would otherwise count as taken.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * gpu_memory_utilization) - (total - free) - reserved_bytes
     else:
