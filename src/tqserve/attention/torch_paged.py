@@ -52,7 +52,7 @@ def _step_plan(meta, bs: int) -> dict:
         "req": req,
         "col": col,
         "mask": None if uniform else allowed[:, None],  # [R, 1, Qmax, L]
-        "page_ids": meta.block_tables[:r, :nblk].long().reshape(-1),
+        "page_ids": meta.block_tables[:r, :nblk].long(),
         "slots": (meta.block_tables[:r].long()[:, key_pos // bs] * bs + key_pos % bs).reshape(-1),
         "nblk": nblk,
     }
@@ -66,11 +66,16 @@ def _gather_pages(fmt, pages, plan, r: int, lmax: int):
     if isinstance(fmt, ExactFormat):
         out = []
         nblk = plan["nblk"]
+        nb, hkv, bs, d = pages["k"].shape
+        rows = plan.get(("rows", hkv))
+        if rows is None:
+            # Row (page, head) of the pages viewed as [nb * Hkv, bs * d], ordered (request, head,
+            # page): one index_select lands K in SDPA's [R, Hkv, L, d] layout, no transpose copy.
+            heads = torch.arange(hkv, device=plan["page_ids"].device)
+            rows = plan[("rows", hkv)] = ((plan["page_ids"] * hkv)[:, None, :] + heads[None, :, None]).reshape(-1)
         for name in ("k", "v"):
-            t = pages[name].index_select(0, plan["page_ids"])  # [R*nblk, Hkv, bs, d]
-            _, hkv, bs, d = t.shape
-            t = t.view(r, nblk, hkv, bs, d).transpose(1, 2).reshape(r, hkv, nblk * bs, d)
-            out.append(t[:, :, :lmax].float())
+            t = pages[name].view(nb * hkv, bs * d).index_select(0, rows)
+            out.append(t.view(r, hkv, nblk * bs, d)[:, :, :lmax].float())
         return out[0], out[1]
     k, v = fmt.read(pages, plan["slots"])  # [R*L, Hkv, d]
     return (x.view(r, lmax, *x.shape[1:]).transpose(1, 2) for x in (k, v))
@@ -80,11 +85,18 @@ def _batched_attention(q, fmt, pages, bs, meta, scale):
     r, t = meta.num_reqs, meta.num_tokens
     plan = _step_plan(meta, bs)
     keys, vals = _gather_pages(fmt, pages, plan, r, meta.max_seq_len)
-    qp = q.new_zeros((r, meta.max_query_len, q.shape[1], q.shape[2]), dtype=torch.float32)
-    qp[plan["req"], plan["col"]] = q[:t].float()
+    if meta.max_query_len == 1 and t == r:
+        # Pure decode: token i is request i's only query, so q needs no padding scatter.
+        qp = q[:t].float().unsqueeze(1)
+    else:
+        qp = q.new_zeros((r, meta.max_query_len, q.shape[1], q.shape[2]), dtype=torch.float32)
+        qp[plan["req"], plan["col"]] = q[:t].float()
     o = F.scaled_dot_product_attention(
         qp.transpose(1, 2), keys, vals, attn_mask=plan["mask"], scale=scale, enable_gqa=True
     )  # [R, Hq, Qmax, d]
     out = torch.empty_like(q)
-    out[:t] = o.transpose(1, 2)[plan["req"], plan["col"]].to(q.dtype)
+    if meta.max_query_len == 1 and t == r:
+        out[:t] = o.squeeze(2).to(q.dtype)
+    else:
+        out[:t] = o.transpose(1, 2)[plan["req"], plan["col"]].to(q.dtype)
     return out
