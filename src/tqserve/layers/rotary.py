@@ -74,14 +74,24 @@ class RotaryEmbedding(nn.Module):
         # [max_position, rotary_dim]: cos in the first half, sin in the second, float32 whatever the model dtype.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for `positions`, each [T, 1, rotary_dim], laid out for `_rotate`: cos repeated
+        for both halves, sin negated on the first half. Compute once per step and pass it to every
+        layer instead of the positions (the gather and the two concatenations are then shared)."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, head_dim]; cos/sin: [T, 1, rotary_dim // 2]
+        # x: [T, H, head_dim]. [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], bit for bit, as
+        # x * [cos, cos] + [x2, x1] * [-sin, sin].
         rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
         x1, x2 = rot.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        out = (rot * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, head_dim], k: [T, Hkv, head_dim]; positions: [T] int64."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    def forward(
+        self, positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, head_dim], k: [T, Hkv, head_dim]; positions: [T] int64, or `table(positions)`."""
+        cos, sin = self.table(positions) if isinstance(positions, torch.Tensor) else positions
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -54,14 +54,14 @@ class LlamaAttentionBlock(nn.Module):
         self.rotary = rotary  # shared by all layers; not registered as a child of each
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.shards(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = self.rotary[0](rope, q, k)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, ctx)
         return self.o_proj(out)
 
@@ -87,13 +87,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
+        x = self.self_attn(rope, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -140,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
+        rope = self.rotary[0].table(positions)  # shared by every layer of the step
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = layer(rope, x, residual, ctx)
         x, _ = self.norm(x, residual)
         return x
 
