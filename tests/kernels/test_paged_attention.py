@@ -130,3 +130,21 @@ def test_paged_gpu_real_sizes(preset, hq, hkv, d):
     ctx, ql = [3001, 0, 777, 1500, 64], [1, 300, 5, 1, 130]
     _check_one_step(preset, hq, hkv, d, ctx, ql, seed=1)
     _check_one_step(preset, hq, hkv, d, [9000], [1], seed=2)  # few requests: split-K path
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize(
+    "preset",
+    ["auto", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3", "tq_k2v6_nc"],
+)
+def test_decode_verify_matches_reference(preset, prefetch):
+    """Decode / verify shape class only (every request adds at most 16 tokens): several key tiles per
+    split, a split that ends inside a tile, with and without the register-prefetched loop."""
+    from tqserve.attention import paged
+
+    old = paged.FAST["prefetch"]
+    paged.FAST["prefetch"] = prefetch
+    try:
+        _check_one_step(preset, 8, 2, 64, [300, 77, 150], [1, 5, 1], seed=23, num_splits=2)
+    finally:
+        paged.FAST["prefetch"] = old

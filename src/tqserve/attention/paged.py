@@ -34,7 +34,11 @@ DENSE, CODEBOOK, MINMAX = 0, 1, 2
 LAST_LAUNCH: dict = {}  # the last compiled attention kernel (benchmarks read registers / spills)
 # Decoding paths for b <= 4 bits (benchmarks / debugging switch them off to compare with the plain
 # index unpack + per-element centroid load + int -> float conversion they replace).
-FAST = {"pairs": True, "ints": True, "f16join": False}
+# "prefetch": register double buffering of the packed tiles in decode / verify (tuning.py decides
+# where it applies; off here forces the old single-buffered loop).
+FAST = {"pairs": True, "ints": True, "f16join": False, "prefetch": True}
+# Extra compile options for the attention kernel on the GPU (benchmarks: e.g. {"maxnreg": 168}).
+LAUNCH_OPTS: dict = {}
 LOG2E = 1.4426950408889634
 
 
@@ -58,6 +62,8 @@ class PageLayout:
     val_codebook: torch.Tensor | None = None
     key_pairs: torch.Tensor | None = None  # [4^b] int32: fp16 c[p & M] | fp16 c[p >> b] << 16 (b <= 4)
     val_pairs: torch.Tensor | None = None
+    key_cb16: torch.Tensor | None = None  # [2^b] fp16 centroids: per-element lookups, no conversion
+    val_cb16: torch.Tensor | None = None
     key_rotation: torch.Tensor | None = None  # R [d, d] float32, y = R x
     val_rotation: torch.Tensor | None = None
     sink: int = 0
@@ -115,11 +121,13 @@ def layout_for_format(fmt, device: torch.device | str) -> PageLayout:
             lay.key_name, lay.key_scale_name = names[0], names[1]
             lay.key_codebook, lay.key_rotation = cb, mat if mode == CODEBOOK else None
             lay.key_pairs = pair_table(cb, bits) if mode == CODEBOOK else None
+            lay.key_cb16 = cb.half().contiguous() if mode == CODEBOOK else None
         else:
             lay.val_mode, lay.val_bits, lay.val_scaled = mode, bits, scaled
             lay.val_name, lay.val_scale_name, lay.val_zero_name = names
             lay.val_codebook, lay.val_rotation = cb, mat if mode == CODEBOOK else None
             lay.val_pairs = pair_table(cb, bits) if mode == CODEBOOK else None
+            lay.val_cb16 = cb.half().contiguous() if mode == CODEBOOK else None
     return lay
 
 
@@ -136,13 +144,11 @@ def pair_table(codebook: torch.Tensor, bits: int) -> torch.Tensor | None:
 
 
 @triton.jit
-def _unpack_tile(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
-    """Indices [BN, DP] (int32) of BN tokens' little-endian b-bit streams.
-
-    8 consecutive indices span exactly BITS bytes: one word per group (a single 32-bit load for
-    4-bit, 16-bit for 2-bit, BITS byte loads otherwise), split with shifts and interleaved back
-    with a tree of `tl.join`, which keeps the 8 indices of a group in the same thread (no shuffle).
-    """
+def _load_words(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+    """Packed words [BN, DP // 8] of BN tokens' little-endian b-bit index streams: the 8 indices of
+    each group of 8 coordinates span exactly BITS bytes (int32 for b <= 4, int64 above; int16 for
+    b = 2 until `_widen`). One load per group for 4-bit (32-bit) and 2-bit (16-bit) streams, BITS byte
+    loads otherwise."""
     G: tl.constexpr = DP // 8
     NB: tl.constexpr = D * BITS // 8
     g = tl.arange(0, G)
@@ -150,8 +156,8 @@ def _unpack_tile(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.co
     if BITS == 4:
         w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + tok[:, None] * (NB // 4) + g[None, :], mask=gm, other=0)
     elif BITS == 2:
+        # widened only where decoded (`_widen`), so a prefetched tile is not waited for at the load
         w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + tok[:, None] * (NB // 2) + g[None, :], mask=gm, other=0)
-        w = w.to(tl.int32) & 0xFFFF
     elif BITS > 4:  # 8 indices of 5..8 bits span more than 32 bits
         base = ptr + tok[:, None] * NB + g[None, :] * BITS
         w = tl.zeros([BN, G], dtype=tl.int64)
@@ -162,44 +168,14 @@ def _unpack_tile(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.co
         w = tl.zeros([BN, G], dtype=tl.int32)
         for kb in tl.static_range(BITS):
             w = w | (tl.load(base + kb, mask=gm, other=0).to(tl.int32) << (8 * kb))
-    M: tl.constexpr = (1 << BITS) - 1
-    i0 = (w & M).to(tl.int32)
-    i1 = ((w >> BITS) & M).to(tl.int32)
-    i2 = ((w >> (2 * BITS)) & M).to(tl.int32)
-    i3 = ((w >> (3 * BITS)) & M).to(tl.int32)
-    i4 = ((w >> (4 * BITS)) & M).to(tl.int32)
-    i5 = ((w >> (5 * BITS)) & M).to(tl.int32)
-    i6 = ((w >> (6 * BITS)) & M).to(tl.int32)
-    i7 = ((w >> (7 * BITS)) & M).to(tl.int32)
-    # join adds a new minor dim: the outermost join picks bit 0 of the index within the group.
-    x = tl.join(tl.join(tl.join(i0, i4), tl.join(i2, i6)), tl.join(tl.join(i1, i5), tl.join(i3, i7)))
-    return tl.reshape(x, (BN, DP))
-
-
-@triton.jit
-def _load_words(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
-    """int32 words [BN, DP // 8]: the 8 b-bit indices of each group of 8 coordinates (b <= 4)."""
-    G: tl.constexpr = DP // 8
-    NB: tl.constexpr = D * BITS // 8
-    g = tl.arange(0, G)
-    gm = nmask[:, None] & (g[None, :] < D // 8)
-    if BITS == 4:
-        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + tok[:, None] * (NB // 4) + g[None, :], mask=gm, other=0)
-    elif BITS == 2:
-        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + tok[:, None] * (NB // 2) + g[None, :], mask=gm, other=0)
-        w = w.to(tl.int32) & 0xFFFF
-    else:
-        base = ptr + tok[:, None] * NB + g[None, :] * BITS
-        w = tl.zeros([BN, G], dtype=tl.int32)
-        for kb in tl.static_range(BITS):
-            w = w | (tl.load(base + kb, mask=gm, other=0).to(tl.int32) << (8 * kb))
     return w
 
 
 @triton.jit
-def _as_f16(x):
-    """int32 tile holding fp16 bit patterns in its low 16 bits -> fp16 tile (bit reinterpretation)."""
-    return x.to(tl.int16).to(tl.float16, bitcast=True)
+def _widen(w, BITS: tl.constexpr):
+    if BITS == 2:
+        w = w.to(tl.int32) & 0xFFFF
+    return w
 
 
 @triton.jit
@@ -211,20 +187,33 @@ def _tree8(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def _decode_pairs(
-    ptr,
-    tok,
-    nmask,
-    tbl,
-    BITS: tl.constexpr,
-    D: tl.constexpr,
-    DP: tl.constexpr,
-    BN: tl.constexpr,
-    F16J: tl.constexpr,
-):
-    """Centroids [BN, DP] fp16 of b-bit codebook indices (b <= 4) through the pair table: one int32
-    gather per two coordinates, split into the two fp16 halves (no conversion instruction)."""
-    w = _load_words(ptr, tok, nmask, BITS, D, DP, BN)
+def _indices(w, BITS: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+    """Indices [BN, DP] (int32) from the packed words of `_load_words` (split with shifts, interleaved
+    back with the join tree, which keeps the 8 indices of a group in the same thread)."""
+    w = _widen(w, BITS)
+    M: tl.constexpr = (1 << BITS) - 1
+    i0 = (w & M).to(tl.int32)
+    i1 = ((w >> BITS) & M).to(tl.int32)
+    i2 = ((w >> (2 * BITS)) & M).to(tl.int32)
+    i3 = ((w >> (3 * BITS)) & M).to(tl.int32)
+    i4 = ((w >> (4 * BITS)) & M).to(tl.int32)
+    i5 = ((w >> (5 * BITS)) & M).to(tl.int32)
+    i6 = ((w >> (6 * BITS)) & M).to(tl.int32)
+    i7 = ((w >> (7 * BITS)) & M).to(tl.int32)
+    return _tree8(i0, i1, i2, i3, i4, i5, i6, i7, BN, DP)
+
+
+@triton.jit
+def _as_f16(x):
+    """int32 tile holding fp16 bit patterns in its low 16 bits -> fp16 tile (bit reinterpretation)."""
+    return x.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pairs(w, tbl, BITS: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, F16J: tl.constexpr):
+    """Centroids [BN, DP] fp16 of b-bit codebook indices (b <= 4) from their packed words through the
+    pair table: one int32 gather per two coordinates, split into the two fp16 halves (no conversion)."""
+    w = _widen(w, BITS)
     PM: tl.constexpr = (1 << (2 * BITS)) - 1
     t0 = tl.load(tbl + (w & PM))  # coordinates 0, 1 of the group
     t1 = tl.load(tbl + ((w >> (2 * BITS)) & PM))  # 2, 3
@@ -242,13 +231,11 @@ def _decode_pairs(
 
 
 @triton.jit
-def _decode_ints(
-    ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, F16J: tl.constexpr
-):
-    """1024 + idx [BN, DP] fp16 (exact) of b-bit indices (b <= 4), without int -> float conversions:
-    the index bits are or-ed into the mantissa of fp16 1024 (0x6400). 4-bit words make two halves
-    per shift-and-or."""
-    w = _load_words(ptr, tok, nmask, BITS, D, DP, BN)
+def _ints(w, BITS: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, F16J: tl.constexpr):
+    """1024 + idx [BN, DP] fp16 (exact) of b-bit indices (b <= 4) from their packed words, without
+    int -> float conversions: the index bits are or-ed into the mantissa of fp16 1024 (0x6400).
+    4-bit words make two halves per shift-and-or."""
+    w = _widen(w, BITS)
     if BITS == 4:
         t0 = (w & 0x000F000F) | 0x64006400  # coordinates 0, 4
         t1 = ((w >> 4) & 0x000F000F) | 0x64006400  # 1, 5
@@ -282,6 +269,36 @@ def _decode_ints(
 
 
 @triton.jit
+def _tile_rows(bt_row_ptr, n, nmask, kvh, HKV: tl.constexpr, BS: tl.constexpr):
+    """Token-head row inside the page tensors of key positions n (through the block table)."""
+    page = tl.load(bt_row_ptr + n // BS, mask=nmask, other=0).to(tl.int64)
+    return page * (HKV * BS) + kvh * BS + (n % BS)
+
+
+@triton.jit
+def _load_side(
+    p_ptr, s_ptr, z_ptr, tokp, nmask, d, dmask,
+    MODE: tl.constexpr, BITS: tl.constexpr, SCALED: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """What a key or value tile reads from the pages, still undecoded: the dense tile or the packed
+    words, the per-token scale / norm (zeros if none) and the min-max zero (zeros if none)."""
+    if MODE == 0:
+        raw = tl.load(p_ptr + tokp[:, None] * D + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        raw = _load_words(p_ptr, tokp, nmask, BITS, D, DP, BN)
+    if SCALED:
+        sc = tl.load(s_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+    else:
+        sc = tl.zeros([BN], dtype=tl.float32)
+    if MODE == 2:
+        ze = tl.load(z_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+    else:
+        ze = tl.zeros([BN], dtype=tl.float32)
+    return raw, sc, ze
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D] queries against page keys (rotated for codebook keys), any float dtype
     qx_ptr,  # [T, Hq, D] unrotated queries against exact keys (== q_ptr when keys are not rotated)
@@ -292,7 +309,7 @@ def _paged_attn_kernel(
     vp_ptr,
     vs_ptr,
     vz_ptr,
-    kcb_ptr,  # codebooks [2^b] float32, or pair tables [4^b] int32 (b <= 4)
+    kcb_ptr,  # codebooks [2^b] fp16, or pair tables [4^b] int32 (b <= 4)
     vcb_ptr,
     rk_ptr,  # ring [num_seq_slots, Hkv, W, D]
     rv_ptr,
@@ -338,6 +355,7 @@ def _paged_attn_kernel(
     PAIRS: tl.constexpr = True,  # codebook tiles through the pair table (else kcb/vcb are the codebooks)
     INTS: tl.constexpr = True,  # min-max tiles as fp16 1024 + idx
     F16J: tl.constexpr = False,  # join decoded halves as fp16 (else as int32)
+    PREFETCH: tl.constexpr = False,  # load tile i + 1 into registers while tile i is decoded
 ):
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -391,25 +409,53 @@ def _paged_attn_kernel(
     acc = tl.zeros([BM, DP], dtype=tl.float32)
     accx = tl.zeros([BM, DP], dtype=tl.float32)  # exact values when the page values are rotated
 
+    bt_row = bt_ptr + req * stride_bt
+    if PREFETCH:
+        # Register double buffering (no software pipeliner: packed words are decoded in registers,
+        # a shared-memory stage would only add a round trip): the packed words, norms and scales of
+        # tile i + 1 are loaded while tile i is decoded, and the block-table entries one tile
+        # further ahead, so no global load latency sits between two tiles.
+        n_a = lo + tl.arange(0, BLOCK_N)
+        tokp_a = _tile_rows(bt_row, n_a, n_a < hi, kvh, HKV, BS)
+        kr_nx, ksc_nx, kze_nx = _load_side(
+            kp_ptr, ks_ptr, ks_ptr, tokp_a, n_a < hi, d, dmask, KEY_MODE, KEY_BITS, KEY_SCALED, D, DP, BLOCK_N
+        )
+        vr_nx, vsc_nx, vze_nx = _load_side(
+            vp_ptr, vs_ptr, vz_ptr, tokp_a, n_a < hi, d, dmask, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N
+        )
+        tokp_nx = _tile_rows(bt_row, n_a + BLOCK_N, n_a + BLOCK_N < hi, kvh, HKV, BS)
+
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        page = tl.load(bt_ptr + req * stride_bt + n // BS, mask=nmask, other=0).to(tl.int64)
-        tokp = page * (HKV * BS) + kvh * BS + (n % BS)  # token-head row inside the page tensors
+        if PREFETCH:
+            kr, ksc, vr, vsc, vze = kr_nx, ksc_nx, vr_nx, vsc_nx, vze_nx
+            n1 = n + BLOCK_N
+            kr_nx, ksc_nx, kze_nx = _load_side(
+                kp_ptr, ks_ptr, ks_ptr, tokp_nx, n1 < hi, d, dmask, KEY_MODE, KEY_BITS, KEY_SCALED, D, DP, BLOCK_N
+            )
+            vr_nx, vsc_nx, vze_nx = _load_side(
+                vp_ptr, vs_ptr, vz_ptr, tokp_nx, n1 < hi, d, dmask, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N
+            )
+            tokp_nx = _tile_rows(bt_row, n1 + BLOCK_N, n1 + BLOCK_N < hi, kvh, HKV, BS)
+        else:
+            tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+            kr, ksc, kze = _load_side(
+                kp_ptr, ks_ptr, ks_ptr, tokp, nmask, d, dmask, KEY_MODE, KEY_BITS, KEY_SCALED, D, DP, BLOCK_N
+            )
 
         # ---- scores against what the page stores
         if KEY_MODE == 0:
-            kt = tl.load(kp_ptr + tokp[:, None] * D + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
-            s = tl.dot(qv, tl.trans(kt.to(dot_t)))
+            s = tl.dot(qv, tl.trans(kr.to(dot_t)))
             if KEY_SCALED:
-                s = s * tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                s = s * ksc[None, :]
         else:
             if PAIRS and KEY_BITS <= 4:
-                kc = _decode_pairs(kp_ptr, tokp, nmask, kcb_ptr, KEY_BITS, D, DP, BLOCK_N, F16J)
+                kc = _pairs(kr, kcb_ptr, KEY_BITS, DP, BLOCK_N, F16J)
             else:
-                kc = tl.load(kcb_ptr + _unpack_tile(kp_ptr, tokp, nmask, KEY_BITS, D, DP, BLOCK_N))
+                kc = tl.load(kcb_ptr + _indices(kr, KEY_BITS, DP, BLOCK_N))
             s = tl.dot(qv, tl.trans(kc.to(pk_t)))
-            s = s * tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            s = s * ksc[None, :]
 
         if HAS_EXACT:
             tile_exact = (n0 < SINK) | (n0 + BLOCK_N - 1 > q_min - WINDOW)
@@ -438,6 +484,10 @@ def _paged_attn_kernel(
         m_i = m_new
 
         # ---- values
+        if not PREFETCH:
+            vr, vsc, vze = _load_side(
+                vp_ptr, vs_ptr, vz_ptr, tokp, nmask, d, dmask, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N
+            )
         pp = p
         if HAS_EXACT:  # noqa: SIM102 (constexpr test, then a runtime one: must stay nested)
             if tile_exact:
@@ -457,33 +507,27 @@ def _paged_attn_kernel(
                     acc += tl.dot(pe.to(dot_t), vx.to(dot_t))
                 pp = tl.where(ex, 0.0, p)
         if VAL_MODE == 0:
-            vt = tl.load(vp_ptr + tokp[:, None] * D + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
             if VAL_SCALED:
-                pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            acc += tl.dot(pp.to(dot_t), vt.to(dot_t))
+                pp = pp * vsc[None, :]
+            acc += tl.dot(pp.to(dot_t), vr.to(dot_t))
         elif VAL_MODE == 1:
             if PAIRS and VAL_BITS <= 4:
-                vc = _decode_pairs(vp_ptr, tokp, nmask, vcb_ptr, VAL_BITS, D, DP, BLOCK_N, F16J)
+                vc = _pairs(vr, vcb_ptr, VAL_BITS, DP, BLOCK_N, F16J)
             else:
-                vc = tl.load(vcb_ptr + _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N))
-            pp = pp * tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                vc = tl.load(vcb_ptr + _indices(vr, VAL_BITS, DP, BLOCK_N))
+            pp = pp * vsc[None, :]
             acc += tl.dot(pp.to(pk_t), vc.to(pk_t))
         elif INTS and VAL_BITS <= 4:
-            # The same centred product as below (v = zero + h * scale + (idx - h) * scale), with the
-            # tile built as fp16 1024 + idx from the index bits (no int -> float conversion) and
-            # centred by two exact fp16 subtractions. (Folding the 1024 into a correction term
-            # instead failed on the GPU: 0.6 relative error with codebook keys.)
-            vint = _decode_ints(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N, F16J)
-            HALF16: tl.constexpr = ((1 << VAL_BITS) - 1) * 0.5
-            vcen = (vint - 1024.0) - HALF16
-            vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-            vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+            # v = zero + h * scale + (idx - h) * scale with the integer h = (2^b - 1) // 2: the tile
+            # is built as fp16 1024 + idx from the index bits (no int -> float conversion) and centred
+            # by one exact fp16 subtraction of 1024 + h. (Leaving the 1024 in the tile and
+            # subtracting 1024 * sum(p * s) afterwards failed on the GPU: 0.6 relative error.)
+            HI: tl.constexpr = ((1 << VAL_BITS) - 1) // 2
+            vcen = _ints(vr, VAL_BITS, DP, BLOCK_N, F16J) - (1024.0 + HI)
             acc += tl.dot((pp * vsc[None, :]).to(pk_t), vcen.to(pk_t))
-            acc += tl.sum(pp * (vze + HALF16 * vsc)[None, :], 1)[:, None]
+            acc += tl.sum(pp * (vze + HI * vsc)[None, :], 1)[:, None]
         else:  # other min-max values
-            vidx = _unpack_tile(vp_ptr, tokp, nmask, VAL_BITS, D, DP, BLOCK_N)
-            vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-            vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+            vidx = _indices(vr, VAL_BITS, DP, BLOCK_N)
             # v = zero + idx * scale = (zero + h * scale) + (idx - h) * scale with h = (2^b - 1) / 2:
             # centred indices avoid cancelling two large terms after the low-precision dot.
             HALF: tl.constexpr = ((1 << VAL_BITS) - 1) * 0.5
@@ -621,8 +665,8 @@ def paged_attention(
     vs = pages[layout.val_scale_name] if layout.val_scale_name else dummy
     vz = pages[layout.val_zero_name] if layout.val_zero_name else dummy
     pairs, ints = FAST["pairs"], FAST["ints"]
-    kcb = layout.key_pairs if pairs and layout.key_pairs is not None else layout.key_codebook
-    vcb = layout.val_pairs if pairs and layout.val_pairs is not None else layout.val_codebook
+    kcb = layout.key_pairs if pairs and layout.key_pairs is not None else layout.key_cb16
+    vcb = layout.val_pairs if pairs and layout.val_pairs is not None else layout.val_cb16
     kcb = kcb if kcb is not None else dummy
     vcb = vcb if vcb is not None else dummy
     rk, rv = ring if ring is not None else (k_new, v_new)
@@ -644,8 +688,8 @@ def paged_attention(
         VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, VAL_SCALED=layout.val_scaled,
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=_interpreting() or q.dtype == torch.float32, PAIRS=pairs, INTS=ints,
-        F16J=FAST["f16join"],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if _interpreting() else LAUNCH_OPTS),
     )  # fmt: skip
     if splits > 1:
         w = npart * d

@@ -18,6 +18,7 @@ class AttnConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    prefetch: bool = False  # register double buffering of packed tiles (paged.py `PREFETCH`)
 
 
 def group_pad(group: int) -> int:
@@ -48,18 +49,15 @@ def pick_config(
         bq = max(bq, 16 // gp)  # tl.dot needs at least 16 rows
         if "decode" in OVERRIDES:
             o = OVERRIDES["decode"]
-            return AttnConfig(bq, o.block_n, o.num_warps, o.num_stages)
+            return AttnConfig(bq, o.block_n, o.num_warps, o.num_stages, o.prefetch)
         block_n = 32 if big_d else 64
-        # TurboQuant keys (H200, docs/benchmarks.md "Kernels", runs 4-6): 4- and 5-bit keys run 1.5x
-        # (4bit_nc) to 2.3x (tq4, 5-bit keys) faster without software pipelining (the pipeliner stages
-        # the packed words through shared memory, then they are converted in registers anyway);
-        # 3-bit keys (3 byte loads per word) like 128-key tiles with 2 stages (2.58 vs 3.36 ms at 64
-        # keys), measured without exact copies.
-        if codebook_key_bits >= 4:
-            return AttnConfig(bq, block_n, 4, 1)
-        if codebook_key_bits == 3 and not exact and not big_d:
-            return AttnConfig(bq, 128, 4, 2)
-        return AttnConfig(bq, block_n, 4, 2 if packed else 3)
+        if packed:
+            # Packed pages (TurboQuant / min-max values): the next tile's packed words, norms and scales
+            # are loaded into registers while this one is decoded (no software pipeliner: it stages the
+            # words through shared memory before they are converted in registers anyway, which cost
+            # 1.5x (4bit_nc) to 2.3x (tq4) in H200 runs 4-6, docs/benchmarks.md "Kernels").
+            return AttnConfig(bq, block_n, 4, 1, True)
+        return AttnConfig(bq, block_n, 4, 3)
     # Extend: compute-bound, flash-attention style 64..128-row tiles (64 when decoding packed
     # tiles or d = 256: a 128-row tile with two accumulators overflows shared memory).
     rows = 64 if (big_d or packed) else 128
