@@ -5,13 +5,25 @@ TurboQuant codebook, min-max). The torch ground truth is `kvquant/reference.py` 
 format's `write`; tests compare the two on random inputs. Skipped writes (slot < 0) are masked
 stores, so the grid depends only on the (padded) token count.
 
-Per side the program holds a tile of BT tokens x head_dim for one KV head. TurboQuant rotates with
-the dense R of the layer in column chunks of at most 64 (R for d = 256 would not fit on chip in one
-piece); each chunk is quantized against the Lloyd-Max boundaries and packed straight away, since 64
-indices are a whole number of bytes for any bit width.
+Per side the program holds a tile of BT tokens x head_dim for one KV head.
+
+TurboQuant rotates with the randomized Hadamard transform itself rather than the dense R: the sign
+flip is exact in the input dtype and H has entries +-1, so one tensor-core `tl.dot` per column tile
+of W <= 64 (bf16 or fp16 operands, float32 accumulator) forms exact products summed in float32;
+log2(block / W) butterfly stages across the tiles finish the block, and one multiply by
+1 / (sqrt(block) * ||x||) normalizes. That is the reference's float32 FWHT up to summation order:
+u is never rounded to bf16. float32 inputs are split into three bf16 pieces (24 bits, exact) and
+go through three dots. Quantizing counts the positive half of the (exactly symmetric) Lloyd-Max
+boundaries below |y| in a constexpr-unrolled loop of scalar compares (2^(b-1) - 1 per element
+instead of 2^b - 1), and indices are packed 8 at a time into one b-byte group (one 1-, 2- or
+4-byte store for b = 1, 2, 4). Rotations whose Hadamard blocks don't fit that scheme (a block of 8,
+or more than four tiles) use the dense float32 R product instead.
 """
 
 from __future__ import annotations
+
+import math
+import os
 
 import torch
 import triton
@@ -20,10 +32,11 @@ import triton.language as tl
 from tqserve.kvquant.base import ExactFormat
 
 # codec kinds understood by the kernel
-EXACT, TQ, MINMAX, FP8_SCALED, FP8_CAST = 0, 1, 2, 3, 4
+EXACT, TQ, MINMAX, FP8_SCALED, FP8_CAST, TQ_DENSE = 0, 1, 2, 3, 4, 5
 SCALE_MODES = {"plain": 0, "nc": 1, "unbiased": 2}
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
+WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 @triton.jit
@@ -33,142 +46,351 @@ def _fp16_round(x):
 
 
 @triton.jit
-def _pack_store(
+def _pack_tile(
     pay_ptr,
     tokp,
-    tmask,
+    tok_ok,
     idx,
     col0,
     BITS: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
-    C: tl.constexpr,
+    W: tl.constexpr,
+    GS: tl.constexpr,
 ):
-    """Write indices [BT, C] of columns col0..col0+C as the little-endian b-bit stream (C % 8 == 0)."""
-    NB: tl.constexpr = D * BITS // 8
-    g = col0 // 8 + tl.arange(0, C // 8)
-    sh = tl.arange(0, 8) * BITS
-    i3 = tl.reshape(idx, (BT, C // 8, 8))
-    if BITS > 4:
-        w = tl.sum(i3.to(tl.int64) << sh[None, None, :].to(tl.int64), 2)
+    """Write indices [BT, W] of columns col0.. as the little-endian b-bit stream; columns >= D are
+    not written.
+
+    GS = 0: 8 indices make one b-byte word, one store (b in 1, 2, 4; pay_ptr an int8 / int16 /
+    int32 view of the page). GS = 8, 16, 32: GS indices make b words of GS bits (pay_ptr viewed
+    as int8 / int16 / int32); word w is the sum of the indices overlapping stream bits
+    [GS*w, GS*w + GS), each shifted into place (shift amounts are compile-time per column)."""
+    if GS == 0:
+        G: tl.constexpr = W // 8
+        g = col0 // 8 + tl.arange(0, G)
+        i3 = tl.reshape(idx, (BT, G, 8))
+        w = tl.sum(i3 << (tl.arange(0, 8) * BITS)[None, None, :], 2)
+        m = tok_ok[:, None] & (g[None, :] < D // 8)
+        tl.store(pay_ptr + tokp[:, None] * (D // 8) + g[None, :], w.to(pay_ptr.dtype.element_ty), mask=m)
     else:
-        w = tl.sum(i3 << sh[None, None, :], 2)
-    m = tmask[:, None] & (g[None, :] < D // 8)
-    base = pay_ptr + tokp[:, None] * NB + g[None, :] * BITS
-    for kb in tl.static_range(BITS):
-        tl.store(base + kb, ((w >> (8 * kb)) & 255).to(tl.uint8), mask=m)
+        NG: tl.constexpr = W // GS
+        i3 = tl.reshape(idx, (BT, NG, GS))
+        j = tl.arange(0, GS)
+        g = col0 // GS + tl.arange(0, NG)
+        m = tok_ok[:, None] & (g[None, :] < D // GS)
+        base = pay_ptr + tokp[:, None] * (D * BITS // GS) + g[None, :] * BITS
+        for w in tl.static_range(BITS):
+            sh = j * BITS - GS * w
+            lsh = tl.minimum(tl.maximum(sh, 0), 31)[None, None, :]
+            rsh = tl.minimum(tl.maximum(-sh, 0), 31)[None, None, :]
+            part = tl.where((sh >= 0)[None, None, :], i3 << lsh, i3 >> rsh)
+            part = tl.where(((sh > -BITS) & (sh < GS))[None, None, :], part, 0)
+            tl.store(base + w, tl.sum(part, 2).to(pay_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _tq_count(a, p_ptr, HALF: tl.constexpr):
+    """#{p < a} over the HALF - 1 ascending boundaries at p_ptr: a binary search whose first three
+    levels pick their threshold by selects between constants, deeper levels by a gather."""
+    S0: tl.constexpr = HALF // 2
+    S1: tl.constexpr = HALF // 4
+    S2: tl.constexpr = HALF // 8
+    b0 = a > tl.load(p_ptr + S0 - 1)
+    cnt = tl.where(b0, S0, 0)
+    if S1 > 0:
+        b1 = a > tl.where(b0, tl.load(p_ptr + S0 + S1 - 1), tl.load(p_ptr + S1 - 1))
+        cnt += tl.where(b1, S1, 0)
+        if S2 > 0:
+            t2 = tl.where(
+                b0,
+                tl.where(b1, tl.load(p_ptr + S0 + S1 + S2 - 1), tl.load(p_ptr + S0 + S2 - 1)),
+                tl.where(b1, tl.load(p_ptr + S1 + S2 - 1), tl.load(p_ptr + S2 - 1)),
+            )
+            cnt += tl.where(a > t2, S2, 0)
+            for lev in tl.static_range(3, 7):
+                if (HALF >> (lev + 1)) > 0:
+                    t = tl.load(p_ptr + cnt + ((HALF >> (lev + 1)) - 1))
+                    cnt += tl.where(a > t, HALF >> (lev + 1), 0)
+    return cnt
+
+
+@triton.jit
+def _tq_index(y, bnd_ptr, BITS: tl.constexpr, SYM: tl.constexpr):
+    """Number of boundaries strictly below y, per element (torch.bucketize of the reference)."""
+    NLEV: tl.constexpr = 1 << BITS
+    HALF: tl.constexpr = NLEV // 2
+    if SYM:
+        # b[HALF + k] == -b[HALF - 2 - k] exactly; the middle b[HALF - 1] is ~1e-17, not 0.
+        # #{b < y} = [b_mid < y] + (HALF - 1) + #{p < |y|} for y >= 0, - #{p <= |y|} for y < 0,
+        # p over the positive half; p <= |y| is p < (|y| one float up).
+        neg = y < 0.0
+        a = tl.abs(y)
+        a = tl.where(neg, (a.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), a)
+        cnt = _tq_count(a, bnd_ptr + HALF, HALF)
+        mid = tl.load(bnd_ptr + HALF - 1)
+        idx = (y > mid).to(tl.int32) + (HALF - 1) + tl.where(neg, -cnt, cnt)
+    else:
+        idx = tl.zeros(y.shape, dtype=tl.int32)
+        for k in tl.static_range(NLEV - 1):
+            idx += (y > tl.load(bnd_ptr + k)).to(tl.int32)
+    return idx
+
+
+@triton.jit
+def _tq_tile_out(
+    y, col0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+    BITS: tl.constexpr, SCALE_MODE: tl.constexpr, SYM: tl.constexpr, GS: tl.constexpr,
+    D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
+):  # fmt: skip
+    """Quantize and pack rotated unit-vector coordinates y [BT, W]; return the rows' share of
+    ||c||^2 (nc) or <y, c> (unbiased)."""
+    idx = _tq_index(y, bnd_ptr, BITS, SYM)
+    _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
+    if SCALE_MODE == 0:
+        part = tl.zeros([BT], dtype=tl.float32)
+    else:
+        cv = tl.load(cb_ptr + idx)
+        if SCALE_MODE == 1:
+            part = tl.sum(cv * cv, 1)
+        else:
+            part = tl.sum(y * cv, 1)
+    return part
+
+
+@triton.jit
+def _rot_tile(x_ptr, xrow, tok_ok, had_ptr, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
+    """z = x[:, col0:col0 + W] @ (diag(s) H_W) with a float32 accumulator, and the rows' sum of z^2
+    (= W * sum of x^2 there). The sign-folded matrix of this tile sits at had_ptr + col0 * HS."""
+    c = col0 + tl.arange(0, W)
+    r = tl.arange(0, W)
+    hm = tl.load(had_ptr + col0 * HS + r[:, None] * W + r[None, :])
+    x = tl.load(x_ptr + xrow[:, None] + c[None, :], mask=tok_ok[:, None], other=0.0)
+    if NSPLIT == 0:
+        # the CPU interpreter's bf16 dot is wrong: same exact products and float32 sums there
+        z = tl.dot(x.to(tl.float32), hm.to(tl.float32), input_precision="ieee")
+    elif NSPLIT == 1:
+        z = tl.dot(x, hm)  # +-1 entries: every product is exact in the input dtype
+    else:
+        # float32 input: hi + mid + lo bf16 pieces hold all 24 bits, each product is exact
+        xf = x.to(tl.float32)
+        hi = xf.to(tl.bfloat16)
+        r1 = xf - hi.to(tl.float32)
+        mid = r1.to(tl.bfloat16)
+        lo = (r1 - mid.to(tl.float32)).to(tl.bfloat16)
+        z = tl.dot(hi, hm)
+        z = tl.dot(mid, hm, z)
+        z = tl.dot(lo, hm, z)
+    return z, tl.sum(z * z, 1)
+
+
+@triton.jit
+def _tq_side(
+    x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, cb_ptr, bnd_ptr, had_ptr,
+    BITS: tl.constexpr, SCALE_MODE: tl.constexpr, SYM: tl.constexpr, GS: tl.constexpr,
+    NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
+    NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
+    O3: tl.constexpr, W3: tl.constexpr,
+    SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
+):  # fmt: skip
+    """TurboQuant side by Hadamard tiles: the first block is G0 tiles of width W (G0 in 1, 2, 4,
+    joined by butterflies), then up to NT - G0 more blocks of one tile each (offset Oi, width Wi);
+    SCi = 1 / sqrt(block size). ||x||^2 comes from the tiles: sum over tiles of ||z||^2 / width."""
+    z0, ss = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 0, W, W, NSPLIT)
+    if G0 > 1:
+        z1, s1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, W, W, W, NSPLIT)
+        ss += s1
+    if G0 > 2:
+        z2, s2 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 2 * W, W, W, NSPLIT)
+        z3, s3 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 3 * W, W, W, NSPLIT)
+        ss += s2 + s3
+    ss = ss * (1.0 / W)
+    if NT > G0:
+        t1, s4 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O1, W1, W, NSPLIT)
+        ss += s4 * (1.0 / W1)
+    if NT > G0 + 1:
+        t2, s5 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O2, W2, W, NSPLIT)
+        ss += s5 * (1.0 / W2)
+    if NT > G0 + 2:
+        t3, s6 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O3, W3, W, NSPLIT)
+        ss += s6 * (1.0 / W3)
+    n = tl.sqrt(ss)
+    rn = 1.0 / tl.maximum(n, 1e-30)
+    f = (rn * SC0)[:, None]
+    if G0 == 1:
+        acc = _tq_tile_out(z0 * f, 0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                           BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+    elif G0 == 2:
+        acc = _tq_tile_out((z0 + z1) * f, 0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                           BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+        acc += _tq_tile_out((z0 - z1) * f, W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                            BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+    else:
+        # H_4 over the tile index (Sylvester): rows ++++, +-+-, ++--, +--+
+        a = z0 + z1
+        b = z0 - z1
+        c = z2 + z3
+        e = z2 - z3
+        acc = _tq_tile_out((a + c) * f, 0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                           BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+        acc += _tq_tile_out((b + e) * f, W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                            BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+        acc += _tq_tile_out((a - c) * f, 2 * W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                            BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+        acc += _tq_tile_out((b - e) * f, 3 * W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                            BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+    if NT > G0:
+        acc += _tq_tile_out(t1 * (rn * SC1)[:, None], O1, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                            BITS, SCALE_MODE, SYM, GS, D, BT, W1)  # fmt: skip
+    if NT > G0 + 1:
+        acc += _tq_tile_out(t2 * (rn * SC2)[:, None], O2, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                            BITS, SCALE_MODE, SYM, GS, D, BT, W2)  # fmt: skip
+    if NT > G0 + 2:
+        acc += _tq_tile_out(t3 * (rn * SC3)[:, None], O3, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                            BITS, SCALE_MODE, SYM, GS, D, BT, W3)  # fmt: skip
+    if SCALE_MODE == 0:
+        sc = n
+    elif SCALE_MODE == 1:
+        sc = n / tl.maximum(tl.sqrt(acc), 1e-30)
+    else:
+        sc = n / tl.maximum(acc, 1e-30)
+    tl.store(sc_ptr + tokp, tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16), mask=tok_ok)
 
 
 @triton.jit
 def _store_side(
-    x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, cb_ptr, bnd_ptr, rot_ptr,
-    MODE: tl.constexpr, BITS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, cb_ptr, bnd_ptr, rot_ptr, had_ptr,
+    MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    SYM: tl.constexpr, NSPLIT: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
+    W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
+    O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
+    SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
 ):  # fmt: skip
     t = t0 + tl.arange(0, BT)
-    d = tl.arange(0, DP)
-    dmask = d < D
-    m2 = tok_ok[:, None] & dmask[None, :]
-    x = tl.load(
-        x_ptr + t[:, None].to(tl.int64) * stride_xt + h * D + d[None, :],
-        mask=m2,
-        other=0.0,
-    ).to(tl.float32)
-    if MODE == 0:
-        tl.store(
-            pay_ptr + tokp[:, None] * D + d[None, :],
-            x.to(pay_ptr.dtype.element_ty),
-            mask=m2,
-        )
-    elif MODE == 3:
-        amax = tl.max(tl.abs(x), 1)
-        sc = _fp16_round(tl.maximum(amax / 448.0, 5.960464477539063e-08))
-        q = tl.minimum(tl.maximum(x / sc[:, None], -448.0), 448.0)
-        tl.store(
-            pay_ptr + tokp[:, None] * D + d[None, :],
-            q.to(pay_ptr.dtype.element_ty),
-            mask=m2,
-        )
-        tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
-    elif MODE == 4:
-        q = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        tl.store(
-            pay_ptr + tokp[:, None] * D + d[None, :],
-            q.to(pay_ptr.dtype.element_ty),
-            mask=m2,
-        )
-    elif MODE == 2:
-        LEVELS: tl.constexpr = (1 << BITS) - 1
-        lo = tl.min(tl.where(dmask[None, :], x, float("inf")), 1)
-        hi = tl.max(tl.where(dmask[None, :], x, float("-inf")), 1)
-        zero = _fp16_round(lo)
-        sc = _fp16_round(tl.maximum((hi - zero) / LEVELS, 5.960464477539063e-08))
-        tq = (x - zero[:, None]) / sc[:, None]
-        idx = tl.minimum(tl.maximum(tl.floor(tq + 0.5), 0.0), LEVELS).to(tl.int32)
-        _pack_store(pay_ptr, tokp, tok_ok, idx, 0, BITS, D, BT, DP)
-        tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
-        tl.store(zr_ptr + tokp, zero.to(tl.float16), mask=tok_ok)
+    xrow = t.to(tl.int64) * stride_xt + h * D
+    if MODE == 1:
+        _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, cb_ptr, bnd_ptr, had_ptr,
+                 BITS, SCALE_MODE, SYM, GS, NSPLIT, D, BT, W, G0, NT, O1, W1, O2, W2, O3, W3,
+                 SC0, SC1, SC2, SC3)  # fmt: skip
     else:
-        NLEV: tl.constexpr = 1 << BITS
-        n = tl.sqrt(tl.sum(x * x, 1))
-        u = x / tl.maximum(n, 1e-30)[:, None]
-        cnorm2 = tl.zeros([BT], dtype=tl.float32)
-        ydotc = tl.zeros([BT], dtype=tl.float32)
-        for c0 in tl.static_range(0, DP, C):
-            j = c0 + tl.arange(0, C)
-            # B[i, j] = R[j, i]: y_row = u_row @ R^T
-            rt = tl.load(
-                rot_ptr + j[None, :] * D + d[:, None],
-                mask=dmask[:, None] & (j[None, :] < D),
-                other=0.0,
-            )
-            y = tl.dot(u, rt, input_precision="ieee")
-            idx = tl.zeros([BT, C], dtype=tl.int32)
-            for b in tl.static_range(NLEV - 1):
-                idx += (y > tl.load(bnd_ptr + b)).to(tl.int32)
-            cv = tl.load(cb_ptr + idx)
-            jm = (j < D)[None, :]
-            cnorm2 += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
-            ydotc += tl.sum(tl.where(jm, y * cv, 0.0), 1)
-            _pack_store(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C)
-        if SCALE_MODE == 0:
-            sc = n
-        elif SCALE_MODE == 1:
-            sc = n / tl.maximum(tl.sqrt(cnorm2), 1e-30)
+        d = tl.arange(0, DP)
+        dmask = d < D
+        m2 = tok_ok[:, None] & dmask[None, :]
+        x = tl.load(x_ptr + xrow[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        if MODE == 0:
+            tl.store(pay_ptr + tokp[:, None] * D + d[None, :], x.to(pay_ptr.dtype.element_ty), mask=m2)
+        elif MODE == 3:
+            amax = tl.max(tl.abs(x), 1)
+            sc = _fp16_round(tl.maximum(amax / 448.0, 5.960464477539063e-08))
+            q = tl.minimum(tl.maximum(x / sc[:, None], -448.0), 448.0)
+            tl.store(pay_ptr + tokp[:, None] * D + d[None, :], q.to(pay_ptr.dtype.element_ty), mask=m2)
+            tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
+        elif MODE == 4:
+            q = tl.minimum(tl.maximum(x, -448.0), 448.0)
+            tl.store(pay_ptr + tokp[:, None] * D + d[None, :], q.to(pay_ptr.dtype.element_ty), mask=m2)
+        elif MODE == 2:
+            LEVELS: tl.constexpr = (1 << BITS) - 1
+            lo = tl.min(tl.where(dmask[None, :], x, float("inf")), 1)
+            hi = tl.max(tl.where(dmask[None, :], x, float("-inf")), 1)
+            zero = _fp16_round(lo)
+            sc = _fp16_round(tl.maximum((hi - zero) / LEVELS, 5.960464477539063e-08))
+            tq = (x - zero[:, None]) / sc[:, None]
+            # floor(tq + 0.5) clamped to [0, LEVELS]; truncation equals floor wherever the clamp keeps it
+            idx = tl.minimum(tl.maximum((tq + 0.5).to(tl.int32), 0), LEVELS)
+            _pack_tile(pay_ptr, tokp, tok_ok, idx, 0, BITS, D, BT, DP, GS)
+            tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
+            tl.store(zr_ptr + tokp, zero.to(tl.float16), mask=tok_ok)
         else:
-            sc = n / tl.maximum(ydotc, 1e-30)
-        tl.store(
-            sc_ptr + tokp,
-            tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16),
-            mask=tok_ok,
-        )
+            # dense float32 R (rotations the tiled Hadamard path does not cover), chunks of C columns
+            n = tl.sqrt(tl.sum(x * x, 1))
+            u = x / tl.maximum(n, 1e-30)[:, None]
+            cnorm2 = tl.zeros([BT], dtype=tl.float32)
+            ydotc = tl.zeros([BT], dtype=tl.float32)
+            for c0 in tl.static_range(0, DP, C):
+                j = c0 + tl.arange(0, C)
+                # B[i, j] = R[j, i]: y_row = u_row @ R^T
+                rt = tl.load(rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0)
+                y = tl.dot(u, rt, input_precision="ieee")
+                idx = _tq_index(y, bnd_ptr, BITS, SYM)
+                cv = tl.load(cb_ptr + idx)
+                jm = (j < D)[None, :]
+                cnorm2 += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
+                ydotc += tl.sum(tl.where(jm, y * cv, 0.0), 1)
+                _pack_tile(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C, GS)
+            if SCALE_MODE == 0:
+                sc = n
+            elif SCALE_MODE == 1:
+                sc = n / tl.maximum(tl.sqrt(cnorm2), 1e-30)
+            else:
+                sc = n / tl.maximum(ydotc, 1e-30)
+            tl.store(sc_ptr + tokp, tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16), mask=tok_ok)
 
 
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, stride_kt, stride_vt, slot_ptr, T,
     kpay_ptr, ksc_ptr, kzr_ptr, kcb_ptr, kbnd_ptr,
-    vpay_ptr, vsc_ptr, vzr_ptr, vcb_ptr, vbnd_ptr, rot_ptr,
+    vpay_ptr, vsc_ptr, vzr_ptr, vcb_ptr, vbnd_ptr, rot_ptr, had_ptr,
     HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
-    KMODE: tl.constexpr, KBITS: tl.constexpr, VMODE: tl.constexpr, VBITS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
+    VMODE: tl.constexpr, VBITS: tl.constexpr, VGS: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SYM: tl.constexpr, NSPLIT: tl.constexpr,
+    W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
+    O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
+    SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
     t = t0 + tl.arange(0, BT)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
     ok = slot >= 0
-    slot = tl.where(ok, slot, 0)
-    tokp = (slot // BS) * (HKV * BS) + h * BS + slot % BS
+    # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
+    slot = tl.where(ok, slot, 0).to(tl.uint32)
+    tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, kcb_ptr, kbnd_ptr, rot_ptr,
-                KMODE, KBITS, SCALE_MODE, D, DP, BT, C)  # fmt: skip
+                had_ptr, KMODE, KBITS, KGS, SCALE_MODE, SYM, NSPLIT, D, DP, BT, C,
+                W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vcb_ptr, vbnd_ptr, rot_ptr,
-                VMODE, VBITS, SCALE_MODE, D, DP, BT, C)  # fmt: skip
+                had_ptr, VMODE, VBITS, VGS, SCALE_MODE, SYM, NSPLIT, D, DP, BT, C,
+                W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+
+
+def _tile_plan(blocks: list[int], wmax: int) -> tuple | None:
+    """(W, G0, NT, [(offset, width, 1/sqrt(width))] of the other blocks) for `_tq_side`, or None
+    when the Hadamard blocks don't fit it (then the dense R product is used)."""
+    first = blocks[0]
+    w = min(first, wmax)
+    g0 = first // w
+    tail = blocks[1:]
+    if w < 16 or g0 not in (1, 2, 4) or g0 + len(tail) > 4 or any(not 16 <= b <= w for b in tail):
+        return None
+    rest, off = [], first
+    for b in tail:
+        rest.append((off, b, 1.0 / math.sqrt(b)))
+        off += b
+    return w, g0, g0 + len(tail), rest
+
+
+def _tile_matrices(signs: torch.Tensor, tiles: tuple) -> torch.Tensor:
+    """diag(s[o:o + w]) @ H_w for every rotation tile (offset o, width w), flat: the tile at column
+    offset o starts at o * W (W the first tile's width, >= every w), as `_rot_tile` reads it.
+    H_w has entries +-1 (Sylvester order, H[i, j] = (-1) ** popcount(i & j)), exact in bf16 / fp16."""
+    from tqserve.kvquant.rotation import fwht
+
+    w, g0, _, rest = tiles
+    out = torch.zeros(signs.numel() * w)
+    for o, width in [(i * w, w) for i in range(g0)] + [(o, b) for o, b, _ in rest]:
+        m = signs[o : o + width, None].float() * fwht(torch.eye(width))
+        out[o * w : o * w + width * width] = m.flatten()
+    return out
 
 
 class StorePlan:
-    """Kernel arguments for one layer's format, built once (codebooks and R moved to the device)."""
+    """Kernel arguments for one layer's format, built once (codebooks, signs, H moved to the device).
 
-    def __init__(self, fmt, device: torch.device | str) -> None:
+    `wmax` caps the width of one rotation tile (the benchmark sweeps it)."""
+
+    def __init__(self, fmt, device: torch.device | str, wmax: int = 64) -> None:
         from tqserve.kvquant.formats import (
             CodecFormat,
             ExactCodec,
@@ -178,38 +400,45 @@ class StorePlan:
             TurboQuantCodec,
         )
         from tqserve.kvquant.reference import tq_codebook
+        from tqserve.kvquant.rotation import Rotation, hadamard_blocks
 
-        self.head_dim = fmt.head_dim
+        self.head_dim = d = fmt.head_dim
         self.scale_mode = 0
-        self.rot = None
+        self.rot = self.tiles = None
+        self.had: dict[torch.dtype, torch.Tensor] = {}
+        self.sym = True
         self.sides = []  # per side: (mode, bits, payload name, scale name, zero name, codebook, boundaries)
         if isinstance(fmt, ExactFormat):
             self.sides = [
                 (EXACT, 16, "k", None, None, None, None),
                 (EXACT, 16, "v", None, None, None, None),
             ]
+            self.group = [None, None]
             return
         if not isinstance(fmt, CodecFormat):
             raise NotImplementedError(f"no store kernel for {type(fmt).__name__}")
         modes = set()
         for side, codec in (("k", fmt.key_codec), ("v", fmt.value_codec)):
             if isinstance(codec, TurboQuantCodec):
-                cb, bnd = tq_codebook(codec.bits, fmt.head_dim, device)
-                self.sides.append((TQ, codec.bits, f"{side}_idx", f"{side}_scale", None, cb, bnd))
+                cb, bnd = tq_codebook(codec.bits, d, device)
+                half = 1 << (codec.bits - 1)
+                self.sym &= bool(torch.equal(bnd[half:], -bnd[: half - 1].flip(0)))
+                rot = codec.rotation
+                tiles = None
+                if type(rot) is Rotation and rot.blocks == hadamard_blocks(d):
+                    tiles = _tile_plan(rot.blocks, wmax)
+                if tiles is not None:
+                    self.tiles = tiles
+                    m = _tile_matrices(rot.signs, tiles)
+                    self.had = {dt: m.to(device=device, dtype=dt) for dt in (torch.bfloat16, torch.float16)}
+                    mode = TQ
+                else:
+                    self.rot = rot.matrix.to(device=device, dtype=torch.float32).contiguous()
+                    mode = TQ_DENSE
+                self.sides.append((mode, codec.bits, f"{side}_idx", f"{side}_scale", None, cb, bnd))
                 modes.add(SCALE_MODES[codec.scale_mode])
-                self.rot = codec.rotation.matrix.to(device=device, dtype=torch.float32).contiguous()
             elif isinstance(codec, MinMaxCodec):
-                self.sides.append(
-                    (
-                        MINMAX,
-                        codec.bits,
-                        f"{side}_idx",
-                        f"{side}_scale",
-                        f"{side}_zero",
-                        None,
-                        None,
-                    )
-                )
+                self.sides.append((MINMAX, codec.bits, f"{side}_idx", f"{side}_scale", f"{side}_zero", None, None))
             elif isinstance(codec, Fp8ScaledCodec):
                 self.sides.append((FP8_SCALED, 8, f"{side}_q", f"{side}_scale", None, None, None))
             elif isinstance(codec, Fp8CastCodec):
@@ -220,7 +449,37 @@ class StorePlan:
                 raise NotImplementedError(f"no store kernel for codec {type(codec).__name__}")
         if len(modes) > 1:
             raise NotImplementedError("keys and values with different TurboQuant scale modes")
+        if {s[0] for s in self.sides} == {TQ, TQ_DENSE}:
+            raise NotImplementedError("keys and values with different rotations")
         self.scale_mode = modes.pop() if modes else 0
+        self.group = [self._group(mode, bits) for mode, bits, *_ in self.sides]
+
+    def _group(self, mode: int, bits: int) -> int | None:
+        """`_pack_tile`'s GS for one side (None: not packed)."""
+        if mode not in (TQ, MINMAX, TQ_DENSE):
+            return None
+        if bits in WORD_DTYPES:
+            return 0
+        d = self.head_dim
+        if mode == TQ:
+            w, _, nt, rest = self.tiles
+            widths = [w] + [b for _, b, _ in rest]
+        else:
+            widths = [triton.next_power_of_2(d) if mode == MINMAX else min(triton.next_power_of_2(d), 64)]
+        for gs in (32, 16):
+            if d % gs == 0 and all(x % gs == 0 for x in widths):
+                return gs
+        return 8
+
+
+def _launch_shape(plan: StorePlan) -> tuple[int, int]:
+    """(tokens per program, warps): measured on H100 (docs/benchmarks.md, store)."""
+    modes = {s[0] for s in plan.sides}
+    if TQ in modes:
+        return 64, 4
+    if TQ_DENSE in modes:
+        return 64, 8
+    return 16, 4
 
 
 def store_kv(
@@ -229,8 +488,11 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    block_tokens: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
-    """Quantize and write k, v [T, Hkv, d] into page slots [T] (negative = skip), one launch."""
+    """Quantize and write k, v [T, Hkv, d] into page slots [T] (negative = skip), one launch.
+    `block_tokens` / `num_warps` override the launch shape (benchmark sweeps)."""
     T, hkv, d = k.shape
     if k.stride(-1) != 1 or k.stride(-2) != d:
         k = k.contiguous()
@@ -239,26 +501,33 @@ def store_kv(
     first = pages[plan.sides[0][2]]
     bs = first.shape[2]
     dp = triton.next_power_of_2(d)
-    # TurboQuant re-reads R (d x d fp32, from L2) once per program: 64 tokens per program keep that
-    # traffic at a quarter of what 16 would cost (measured: R reloads dominated the store at BT=16).
-    tq = plan.rot is not None
-    bt = 64 if tq else 16
+    bt, warps = _launch_shape(plan)
+    bt, warps = block_tokens or bt, num_warps or warps
     args = []
-    for _mode, _bits, pay, sc, zr, cb, bnd in plan.sides:
+    for (_mode, bits, pay, sc, zr, cb, bnd), gs in zip(plan.sides, plan.group):
         p = pages[pay]
-        args += [
-            p,
-            pages[sc] if sc else p,
-            pages[zr] if zr else p,
-            cb if cb is not None else p,
-        ]
-        args += [bnd if bnd is not None else p]
+        if gs is not None:
+            p = p.view(WORD_DTYPES[bits if gs == 0 else gs // 8])
+        args += [p, pages[sc] if sc else p, pages[zr] if zr else p]
+        args += [cb if cb is not None else p, bnd if bnd is not None else p]
+    if plan.tiles is not None:
+        w, g0, nt, rest = plan.tiles
+        rest = rest + [(0, 16, 1.0)] * (3 - len(rest))
+        nsplit = 1 if k.dtype in (torch.bfloat16, torch.float16) else 3
+        if os.environ.get("TRITON_INTERPRET") == "1" and k.dtype != torch.float16:
+            nsplit = 0
+        had = plan.had[torch.float16 if k.dtype == torch.float16 else torch.bfloat16]
+    else:
+        w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16, 1.0)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
     grid = (triton.cdiv(T, bt), hkv)
     _store_kv_kernel[grid](
-        k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot,
+        k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         HKV=hkv, BS=bs, D=d, DP=dp, BT=bt, C=min(dp, 64),
-        KMODE=km, KBITS=kb, VMODE=vm, VBITS=vb, SCALE_MODE=plan.scale_mode,
-        num_warps=8 if tq else 4,
+        KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, VMODE=vm, VBITS=vb, VGS=plan.group[1] or 0,
+        SCALE_MODE=plan.scale_mode, SYM=plan.sym, NSPLIT=nsplit,
+        W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
+        O3=rest[2][0], W3=rest[2][1], SC0=1.0 / math.sqrt(w * g0), SC1=rest[0][2], SC2=rest[1][2],
+        SC3=rest[2][2], num_warps=warps,
     )  # fmt: skip

@@ -1,0 +1,99 @@
+"""Store-kernel benchmark: every preset's fused store against the card's copy rate, one process.
+
+python benchmarks/store_bench.py [--old path/to/old_store_triton.py] [--sweep p1,p2] [--json out.json]
+
+Bytes per call are the fewest the store must move (as `tqserve bench kernels` counts them): the
+bf16 K and V it reads, the page bytes it writes (indices, fp8 or bf16 payload, scales, zeros) and
+the int64 slot mapping. `--old` times a second copy of the kernel module side by side (a
+committed version, for before / after numbers on the same card in the same process); `--sweep`
+also times other launch shapes (tokens per program x warps) for the presets it names.
+Times are medians of CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+
+import torch
+
+from tqserve.bench.kernels import PRESETS, copy_bandwidth
+from tqserve.kvquant.presets import make_layer_format
+
+
+def _time(fn) -> float:
+    """Median ms of one call replayed from a CUDA graph (no Python launch cost in the number)."""
+    import triton
+
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("store_old", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--old", default=None)
+    ap.add_argument("--sweep", default="", help="comma-separated presets to also time at other launch shapes")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from tqserve.kvquant import store_triton as new
+
+    dev = torch.device("cuda")
+    old = _load(args.old) if args.old else None
+    bw = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}  copy {bw:.0f} GB/s", flush=True)
+    t, hkv, d, bs = args.tokens, args.heads, args.head_dim, 16
+    rows = []
+    for preset in args.presets.split(","):
+        fmt = make_layer_format(preset, 5, hkv, d, torch.bfloat16)
+        pages = fmt.allocate(t // bs + 2, bs, dev)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        slots = torch.randperm(t, device=dev, generator=gen) + bs
+        nbytes = 2 * k.numel() * 2 + t * fmt.page_bytes_per_token() + t * 8
+        cases = []
+        if old is not None:
+            cases.append(("old", old, old.StorePlan(fmt, dev), {}))
+        plan = new.StorePlan(fmt, dev)
+        cases.append(("new", new, plan, {}))
+        if preset in args.sweep.split(","):
+            tq = new.TQ in {s[0] for s in plan.sides}
+            shapes = [(32, 4), (64, 4), (64, 8), (128, 8)] if tq else [(16, 4), (32, 4), (64, 4), (64, 8)]
+            for bt, nw in shapes:
+                cases.append((f"new bt{bt} w{nw}", new, plan, {"block_tokens": bt, "num_warps": nw}))
+            if tq and d >= 128:
+                p128 = new.StorePlan(fmt, dev, wmax=128)
+                cases.append(("new W128", new, p128, {}))
+                p32 = new.StorePlan(fmt, dev, wmax=32)
+                cases.append(("new W32", new, p32, {}))
+        for label, mod, pl, kw in cases:
+            try:
+                ms = _time(lambda mod=mod, pl=pl, kw=kw, p=pages, k=k, v=v, s=slots: mod.store_kv(p, pl, k, v, s, **kw))
+            except Exception as e:  # report and go on: one broken variant must not hide the rest
+                print(f"{preset:20s} {label:16s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            rows.append({"preset": preset, "variant": label, "ms": ms, "GBps": gbps, "of_copy": gbps / bw})
+            print(f"{preset:20s} {label:16s} {ms:8.4f} ms {gbps:8.0f} GB/s {gbps / bw:6.1%} of copy", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": bw, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
