@@ -2,7 +2,7 @@
 SDPA as the baseline, all in one process on one card; then decode tile / split sweeps of the new kernel
 and real-size correctness checks of the packed presets.
 
-python benchmarks/kernels_diag.py OLD_PAGED.py OLD_TUNING.py [--quick] [--sweep] [--json F]
+python benchmarks/kernels_diag.py OLD_PAGED.py OLD_TUNING.py [--quick] [--sweep | --verify-sweep] [--json F]
 (old files: e.g. `git show <commit>:src/tqserve/attention/paged.py > old_paged.py`, untracked)
 """
 
@@ -97,7 +97,15 @@ def one(old, p, n_req, L, qlen, shape, sd, sweep, dev) -> None:
     regs = getattr(ck, "n_regs", -1)
     row(shape=shape, preset=p, old=old_ms, new=new_ms, speedup=old_ms / new_ms, vs_sdpa=sd / new_ms,
         diff=err, regs=regs, spills=getattr(ck, "n_spills", -1))  # fmt: skip
-    if sweep and p in ("turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3") and qlen == 1:
+    if sweep == "verify" and p in ("turboquant_4bit_nc", "tq4") and qlen > 1:
+        for bn in (32, 64, 128):
+            tuning.OVERRIDES["decode"] = tuning.AttnConfig(1, bn, 4, 1, True)
+            ms = _bench(c.run)
+            ck = paged.LAST_LAUNCH.get("kernel")
+            row(shape=shape, preset=p, tile=f"{bn}/4/1/pfTrue", ms=ms, vs_sdpa=sd / ms, regs=getattr(ck, "n_regs", -1),
+                spills=getattr(ck, "n_spills", -1))  # fmt: skip
+            tuning.OVERRIDES.clear()
+    if sweep is True and p in ("turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3") and qlen == 1:
         cfgs = [(64, 4, 1, False), (32, 4, 1, True), (64, 4, 1, 168), (128, 4, 1, True), (64, 8, 1, True)]
         cfgs.append((128, 8, 1, True))
         if p == "turboquant_3bit_nc":
@@ -127,6 +135,7 @@ def one(old, p, n_req, L, qlen, shape, sd, sweep, dev) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     quick, sweep = "--quick" in sys.argv, "--sweep" in sys.argv
+    sweep = "verify" if "--verify-sweep" in sys.argv else sweep
     out_json = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
     if out_json in args:
         args.remove(out_json)

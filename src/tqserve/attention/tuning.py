@@ -56,6 +56,14 @@ def pick_config(
             # are loaded into registers while this one is decoded (no software pipeliner: it stages the
             # words through shared memory before they are converted in registers anyway, which cost
             # 1.5x (4bit_nc) to 2.3x (tq4) in H200 runs 4-6, docs/benchmarks.md "Kernels").
+            # Tiles from the H200 sweep of 2026-11-26 (decode 32 x 32K): 3- and 4-bit keys without exact
+            # copies run best with 128-key tiles (4bit_nc 2.37 vs 2.57 ms at 64, 3bit_nc 2.17 vs 2.42),
+            # 5-bit keys (per-element lookups, most registers) with 32 (tq4 3.77 vs 4.17 ms at 64);
+            # sink / window presets and verify rows keep 64.
+            if codebook_key_bits >= 5:
+                block_n = 32
+            elif codebook_key_bits in (3, 4) and not exact and not big_d and bq * gp <= 16:
+                block_n = 128
             return AttnConfig(bq, block_n, 4, 1, True)
         return AttnConfig(bq, block_n, 4, 3)
     # Extend: compute-bound, flash-attention style 64..128-row tiles (64 when decoding packed
