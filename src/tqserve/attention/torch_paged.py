@@ -11,18 +11,27 @@ import torch.nn.functional as F
 from tqserve.attention.reference import ReferenceBackend, _request_index
 from tqserve.kvquant.base import ExactFormat
 
-# Steps whose longest query is at most this go through the batched path.
+# Steps whose longest query is at most this go through the batched path, and so do wider steps
+# (prefill of several short prompts) whose padding to the longest query at most doubles the work.
 MAX_BATCHED_QUERY = 16
+MAX_PADDED_SCORES = 1 << 22  # R * Qmax * L mask entries
 
 
 class TorchPagedBackend(ReferenceBackend):
     def forward(self, layer_idx, q, k, v, meta, scale):
         fmt = self.store.formats[layer_idx]
-        if meta.max_query_len > MAX_BATCHED_QUERY or fmt.window or fmt.sink:
+        if fmt.window or fmt.sink or not _batchable(meta):
             return super().forward(layer_idx, q, k, v, meta, scale)
         pages = self.store.pages[layer_idx]
         fmt.write(pages, k, v, meta.slot_mapping[: meta.num_tokens])
         return _batched_attention(q, fmt, pages, self.store.block_size, meta, scale)
+
+
+def _batchable(meta) -> bool:
+    if meta.max_query_len <= MAX_BATCHED_QUERY:
+        return True
+    padded = meta.num_reqs * meta.max_query_len
+    return meta.num_reqs > 1 and padded <= 2 * meta.num_tokens and padded * meta.max_seq_len <= MAX_PADDED_SCORES
 
 
 def _step_plan(meta, bs: int) -> dict:
