@@ -20,6 +20,8 @@ KL_BOUND = {
     "turboquant_3bit_nc": 1.0,
     "tq4": 0.1,
     "tq3": 0.3,
+    "tq4s": 0.1,
+    "tq3s": 0.3,
 }
 
 

@@ -13,11 +13,14 @@ from tqserve.kvquant.presets import (
     describe_preset,
     make_layer_format,
     parse_preset,
+    split_layer_choices,
     vllm_boundary_skip_layers,
 )
 
 EXTRA = (
     "tq_k4v4_nc",
+    "tq_k5v3_ubs_s4_w60",
+    "tq_k4v2_ncs_s4",
     "tq_k5v3_plain_s4",
     "tq_k8v4_w16",
     "tq_k2v2_ub_s2_w8",
@@ -142,3 +145,45 @@ def test_layer_overrides_and_average_size():
     one = describe_preset("tq3", 64)["bytes_total"]
     expect = (28 * one + describe_preset("tq_k8v8", 64)["bytes_total"] + 256) / 30
     assert info["bytes_total"] == pytest.approx(expect)
+
+
+def test_per_layer_bits_in_the_name():
+    name = "tq_k4v2_ub_s4_w28+v3@0-2.7+k5@2.4"
+    base, choices = split_layer_choices(name)
+    assert base == "tq_k4v2_ub_s4_w28"
+    assert choices == {
+        0: "tq_k4v3_ub_s4_w28",
+        1: "tq_k4v3_ub_s4_w28",
+        2: "tq_k5v3_ub_s4_w28",
+        4: "tq_k5v2_ub_s4_w28",
+        7: "tq_k4v3_ub_s4_w28",
+    }
+    assert parse_preset(name).key_bits == 4 and parse_preset(name).window == 28
+    for layer, (kb, vb) in {0: (4, 3), 2: (5, 3), 3: (4, 2), 4: (5, 2), 29: (4, 2)}.items():
+        fmt = make_layer_format(name, layer, 3, 64, torch.float32)
+        assert (fmt.key_codec.bits, fmt.value_codec.bits) == (kb, vb)
+        assert (fmt.sink, fmt.window) == (4, 28)  # every layer keeps the base's exact sink and window
+        own = describe_preset(choices.get(layer, base), 64)["page_bytes_per_token_head"]
+        assert fmt.page_bytes_per_token() == 3 * own
+    info = describe_preset(name, 64, num_layers=30)
+    pages = [60, 60, 68, 52, 60, 52, 52, 60] + [52] * 22
+    assert info["layer_page_bytes"] == pages
+    assert info["page_bytes_per_token_head"] == pytest.approx(sum(pages) / 30)
+    assert info["bits_per_value_total"] == pytest.approx(8 * (sum(pages) / 30 + 32 * 2 * 64 * 2 / 4096) / 128)
+    with pytest.raises(ValueError):
+        describe_preset(name, 64)  # the average needs the layer count
+    for bad in ("tq_k4v2+v7@1", "tq_k4v2+@1", "tq_k4v2+v3@", "turboquant_4bit_nc+k5@1", "tq_k4v2+v3@3-1"):
+        with pytest.raises(ValueError):
+            split_layer_choices(bad)
+
+
+def test_search_modes_share_the_page_format():
+    for mode in ("ubs", "ncs"):
+        fmt = make_layer_format(f"tq_k5v3_{mode}_s4_w60", 0, 3, 64, torch.float32)
+        plain = make_layer_format(f"tq_k5v3_{mode[:-1]}_s4_w60", 0, 3, 64, torch.float32)
+        assert fmt.key_codec.search and not plain.key_codec.search
+        assert fmt.key_codec.scale_mode == plain.key_codec.scale_mode + "+search"
+        assert fmt._specs() == plain._specs()
+        assert describe_preset(f"tq_k5v3_{mode}_s4_w60", 64)["bits_per_value_total"] == 4.5
+    _, choices = split_layer_choices("tq_k4v2_ubs_s4_w60+v3@2")
+    assert choices == {2: "tq_k4v3_ubs_s4_w60"}

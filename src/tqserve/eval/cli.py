@@ -16,6 +16,8 @@ DEFAULT_PRESETS = [
     "turboquant_3bit_nc",
     "tq4",
     "tq3",
+    "tq4s",
+    "tq3s",
 ]
 _REPO_TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests", "data", "alice29.txt")
 
@@ -30,8 +32,8 @@ def _presets(s: str | None) -> list[str]:
     return [p for p in (s.split(",") if s else DEFAULT_PRESETS) if p]
 
 
-def _size_columns(name: str, head_dim: int, context: int) -> dict:
-    info = describe_preset(name, head_dim, context_len=context)
+def _size_columns(name: str, head_dim: int, context: int, num_layers: int | None = None) -> dict:
+    info = describe_preset(name, head_dim, context_len=context, num_layers=num_layers)
     return {
         "bits": info["bits_per_value_total"],
         "page_bytes": info["page_bytes_per_token_head"],
@@ -41,6 +43,19 @@ def _size_columns(name: str, head_dim: int, context: int) -> dict:
         "values": info["values"],
         "sink_window": f"{info['sink']}/{info['window']}",
     }
+
+
+def _setup_device(args) -> None:
+    if args.device != "cpu":
+        from tqserve.eval.runner import strict_fp32
+
+        strict_fp32()
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if device != "cpu" else "cpu"
 
 
 def cmd_distortion(args) -> None:
@@ -96,6 +111,7 @@ def cmd_ppl(args) -> None:
     from tqserve.eval import ppl, report
 
     torch.set_num_threads(args.threads)
+    _setup_device(args)
     res = ppl.run_ppl(
         _text(args.text),
         _presets(args.presets),
@@ -103,10 +119,12 @@ def cmd_ppl(args) -> None:
         max_tokens=args.max_tokens,
         backend=args.backend,
         log=lambda s: print(s, flush=True),
+        device=args.device,
     )
+    res["device"] = _device_name(args.device)
     rows = []
     for p, r in res["results"].items():
-        rows.append({"preset": p, **_size_columns(p, args.head_dim, args.context), **r})
+        rows.append({"preset": p, **_size_columns(p, args.head_dim, args.context, args.num_layers), **r})
     rows.sort(key=lambda r: -r["bits"])
     res["rows"] = rows
     print(report.table(rows, _PPL_COLUMNS))
@@ -177,6 +195,7 @@ def cmd_needle(args) -> None:
     from tqserve.eval import needle, report
 
     torch.set_num_threads(args.threads)
+    _setup_device(args)
     raw = needle.run_needle(
         _text(args.text),
         _presets(args.presets),
@@ -185,7 +204,9 @@ def cmd_needle(args) -> None:
         backend=args.backend,
         with_reference=not args.no_reference,
         log=lambda s: print(s, flush=True),
+        device=args.device,
     )
+    raw["device"] = _device_name(args.device)
     report.write_json(args.out, "needle_raw.json", raw)
     if not args.no_reference:
         _needle_report(needle.finalize([raw]), args.out)
@@ -217,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "engine", "direct"],
         help="engine: through tqserve.LLM; direct: model + reference backend (same formats)",
     )
+    common.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: the engine on the GPU, float32 without TF32, reference attention backend",
+    )
     d = sub.add_parser("distortion", parents=[common], help="codec MSE / inner-product error vs theory")
     d.add_argument("--n", type=int, default=8192, help="random unit vectors per (d, bits)")
     d.add_argument("--tokens", type=int, default=512, help="tokens of captured model K/V (0 = skip)")
@@ -226,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--head-dim", type=int, default=64, help="head size used for the size columns")
     p.add_argument("--context", type=int, default=4096, help="context length at which sink/window bytes are counted")
+    p.add_argument("--num-layers", type=int, default=30, help="attention layers, for per-layer presets' average size")
     p.set_defaults(fn=cmd_ppl)
     n = sub.add_parser("needle", parents=[common], help="needle-in-a-haystack recall and answer log-likelihood")
     n.add_argument("--lengths", default="1024,2048,4096,8192")

@@ -38,7 +38,7 @@ def build_case(tokenizer, haystack_ids: list[int], length: int, depth: float, se
 
 
 def score_case(runner, prompt: list[int], answer: list[int]) -> dict:
-    lp = runner.logprobs(prompt + answer, last=len(answer))  # rows predicting the answer tokens
+    lp = runner.logprobs(prompt + answer, last=len(answer)).cpu()  # rows predicting the answer tokens
     target = torch.as_tensor(answer)
     ll = float(lp.gather(1, target[:, None]).sum())
     found = bool((lp.argmax(-1) == target).all())
@@ -53,11 +53,13 @@ def run_needle(
     backend: str = "auto",
     with_reference: bool = True,
     log=print,
+    device: str = "cpu",
+    on_cell=None,
 ) -> dict:
     """Score every (length, depth) cell for each preset (plus the exact reference unless told not to:
-    runs split over processes are joined by `finalize`)."""
+    runs split over processes are joined by `finalize`). `on_cell(result so far)` after each cell."""
     names = list(dict.fromkeys(([REFERENCE] if with_reference else []) + list(presets)))
-    runners = {p: make_runner(p, max(lengths), backend) for p in names}
+    runners = {p: make_runner(p, max(lengths), backend, device=device) for p in names}
     tok = next(iter(runners.values())).tokenizer
     hay = tok.encode(text, add_special_tokens=False)
     cells = []
@@ -70,6 +72,8 @@ def run_needle(
                 "results": {p: score_case(r, prompt, answer) for p, r in runners.items()},
             }
             cells.append(row)
+            if on_cell is not None:
+                on_cell({"lengths": list(lengths), "depths": list(depths), "cells": cells})
             log(
                 f"len {length} depth {depth:.2f}: "
                 + ", ".join(f"{p} {'Y' if r['found'] else 'n'} {r['loglik']:.3f}" for p, r in row["results"].items())

@@ -53,21 +53,22 @@ def run_ppl(
     max_tokens: int = 8192,
     backend: str = "auto",
     log=print,
+    device: str = "cpu",
 ) -> dict:
-    ref_runner = make_runner(REFERENCE, window, backend)
+    ref_runner = make_runner(REFERENCE, window, backend, device=device)
     ids = ref_runner.tokenizer.encode(text)
     windows = token_windows(ids, window, max_tokens)
-    runners = {p: make_runner(p, window, backend) for p in presets if p != REFERENCE}
+    runners = {p: make_runner(p, window, backend, device=device) for p in presets if p != REFERENCE}
     acc: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in runners}
     timing = {p: 0.0 for p in [REFERENCE, *runners]}
     for wi, win in enumerate(windows):
         t0 = time.time()
         ref_lp = ref_runner.logprobs(win)
         timing[REFERENCE] += time.time() - t0
-        targets = torch.as_tensor(win[1:])
+        targets = torch.as_tensor(win[1:], device=ref_lp.device)
         for p, r in runners.items():
             t0 = time.time()
-            m = compare(ref_lp, r.logprobs(win), targets)
+            m = {k: v.cpu() for k, v in compare(ref_lp, r.logprobs(win), targets).items()}
             timing[p] += time.time() - t0
             for k, v in m.items():
                 acc[p].setdefault(k, []).append(v)

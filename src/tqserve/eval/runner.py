@@ -15,7 +15,9 @@ from tqserve.attention.backend import AttentionMetadata
 from tqserve.kvquant.presets import make_layer_format
 
 
-def make_runner(preset: str, max_model_len: int, backend: str = "auto", skip_layers=()):
+def make_runner(preset: str, max_model_len: int, backend: str = "auto", skip_layers=(), device: str = "cpu"):
+    """`device` "cuda" runs the engine on the GPU in float32 with the reference attention backend
+    (the same math as the CPU run; call `strict_fp32()` first so no matmul uses TF32)."""
     if backend in ("auto", "engine"):
         try:
             from tqserve.entrypoints.llm import LLM  # noqa: F401
@@ -23,8 +25,17 @@ def make_runner(preset: str, max_model_len: int, backend: str = "auto", skip_lay
             if backend == "engine":
                 raise
         else:
-            return EngineRunner(preset, max_model_len, skip_layers=skip_layers)
+            return EngineRunner(preset, max_model_len, skip_layers=skip_layers, device=device)
+    if device != "cpu":
+        raise ValueError("the direct runner is CPU only")
     return DirectRunner(preset, max_model_len, skip_layers=skip_layers)
+
+
+def strict_fp32() -> None:
+    """Full float32 matmuls on the GPU (no TF32), so GPU numbers are the CPU math up to rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
 
 
 class EngineRunner:
@@ -32,14 +43,18 @@ class EngineRunner:
 
     chunk = 1024  # prefill chunk (max_num_batched_tokens): bounds the reference backend's score tensors
 
-    def __init__(self, preset: str, max_model_len: int, skip_layers=()) -> None:
+    def __init__(self, preset: str, max_model_len: int, skip_layers=(), device: str = "cpu") -> None:
         from tqserve.entrypoints.llm import LLM
 
         self.preset = preset
+        gpu = device != "cpu"
         # One set of weights shared by every preset's engine; room for the prompt plus one token.
         self.llm = LLM(
-            loaded=_load_default_model(),
+            loaded=_load_default_model(device),
             dtype="float32",
+            device=device,
+            # GPU: the torch reference backend (same math as the CPU path), not the Triton kernels
+            attention_backend="reference" if gpu else "auto",
             kv_cache_dtype=preset,
             kv_cache_dtype_skip_layers=list(skip_layers),
             max_model_len=max_model_len + 16,
@@ -75,12 +90,18 @@ def _kv_bytes(tokens: int) -> int:
     return max(64 << 20, int(tokens * 30 * 3 * 64 * 2 * 4 * 1.25))
 
 
-def _load_default_model():
-    if "model" not in _SHARED:
+def _load_default_model(device: str = "cpu"):
+    if device not in _SHARED:
         from tqserve.models.loader import load_model
 
-        _SHARED["model"] = load_model(None, torch.float32, "cpu")
-    return _SHARED["model"]
+        if device == "cpu":
+            _SHARED[device] = load_model(None, torch.float32, device)
+        else:
+            # The loader serves GPUs in bfloat16 only; the evaluation wants float32 everywhere, so
+            # load on the CPU and move the module (weights and rotary tables are parameters/buffers).
+            model, hf_config, tok = load_model(None, torch.float32, "cpu")
+            _SHARED[device] = (model.to(device), hf_config, tok)
+    return _SHARED[device]
 
 
 class DirectRunner:

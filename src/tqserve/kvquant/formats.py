@@ -79,10 +79,16 @@ class ExactCodec(VectorCodec):
 class TurboQuantCodec(VectorCodec):
     rotated = True
 
-    def __init__(self, head_dim: int, bits: int, rotation: Rotation, scale_mode: str = "nc") -> None:
+    def __init__(
+        self, head_dim: int, bits: int, rotation: Rotation, scale_mode: str = "nc", search: bool = False
+    ) -> None:
         super().__init__(head_dim)
-        self.bits, self.rotation, self.scale_mode = bits, rotation, scale_mode
-        self.label = f"tq{bits}-{scale_mode}"
+        self.bits, self.rotation, self.search = bits, rotation, search
+        self.base_mode = scale_mode
+        # The search encoder's indices differ from nearest-centroid ones: its mode name is one the
+        # Triton store kernel does not know, so a GPU store plan refuses it instead of writing other bits.
+        self.scale_mode = f"{scale_mode}+search" if search else scale_mode
+        self.label = f"tq{bits}-{self.scale_mode}"
 
     def fields(self) -> FieldSpec:
         return {
@@ -91,7 +97,7 @@ class TurboQuantCodec(VectorCodec):
         }
 
     def encode(self, x):
-        idx, scale = ref.tq_encode(x, self.rotation, self.bits, self.scale_mode)
+        idx, scale = ref.tq_encode(x, self.rotation, self.bits, self.base_mode, self.search)
         return {"idx": idx, "scale": scale}
 
     def decode(self, f):
