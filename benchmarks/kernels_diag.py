@@ -2,13 +2,14 @@
 SDPA as the baseline, all in one process on one card; then decode tile / split sweeps of the new kernel
 and real-size correctness checks of the packed presets.
 
-python benchmarks/kernels_diag.py OLD_PAGED.py OLD_TUNING.py [--quick] [--sweep | --verify-sweep] [--json F]
+python benchmarks/kernels_diag.py OLD_PAGED.py OLD_TUNING.py [--quick] [--sweep | --verify-sweep] [--f16j] [--json F]
 (old files: e.g. `git show <commit>:src/tqserve/attention/paged.py > old_paged.py`, untracked)
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from tqserve.bench.kernels import Case, _bench, sdpa_decode_ms  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 PACKED = ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4", "tq4", "tq3"]
 ROWS: list[dict] = []
+F16J_VARIANTS = [False]  # --f16j: also the fp16 join tree (paged.FAST['f16join'])
 
 
 def correctness() -> None:
@@ -41,13 +43,15 @@ def correctness() -> None:
         ("tq3", 32, 8, 128),
         ("tq_k4v3_ub_s4_w128", 32, 8, 128),
     ):
-        for case, (ctx, ql) in cases.items():
+        for (case, (ctx, ql)), f16j in itertools.product(cases.items(), F16J_VARIANTS):
+            paged.FAST["f16join"] = f16j
             try:
                 _check_one_step(preset, hq, hkv, d, ctx, ql, seed=1)
                 msg = "ok"
             except AssertionError as e:
                 msg = "FAIL " + str(e).splitlines()[0]
-            print(f"check {preset:20s} {case:6s}: {msg}", flush=True)
+            print(f"check {preset:20s} {case:6s} f16join={int(f16j)}: {msg}", flush=True)
+    paged.FAST["f16join"] = False
 
 
 def _load(name: str, path: str):
@@ -97,6 +101,15 @@ def one(old, p, n_req, L, qlen, shape, sd, sweep, dev) -> None:
     regs = getattr(ck, "n_regs", -1)
     row(shape=shape, preset=p, old=old_ms, new=new_ms, speedup=old_ms / new_ms, vs_sdpa=sd / new_ms,
         diff=err, regs=regs, spills=getattr(ck, "n_spills", -1))  # fmt: skip
+    if len(F16J_VARIANTS) > 1 and p in PACKED:
+        paged.FAST["f16join"] = True
+        ms = _bench(c.run)
+        c.run()
+        err = float((c.out.float() - o_old.float()).norm() / o_old.float().norm())
+        ck = paged.LAST_LAUNCH.get("kernel")
+        row(shape=shape, preset=p, variant="f16join", ms=ms, vs_new=new_ms / ms, vs_sdpa=sd / ms, diff=err,
+            regs=getattr(ck, "n_regs", -1), spills=getattr(ck, "n_spills", -1))  # fmt: skip
+        paged.FAST["f16join"] = False
     if sweep == "verify" and p in ("turboquant_4bit_nc", "tq4") and qlen > 1:
         for bn in (32, 64, 128):
             tuning.OVERRIDES["decode"] = tuning.AttnConfig(1, bn, 4, 1, True)
@@ -136,6 +149,8 @@ if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     quick, sweep = "--quick" in sys.argv, "--sweep" in sys.argv
     sweep = "verify" if "--verify-sweep" in sys.argv else sweep
+    if "--f16j" in sys.argv:
+        F16J_VARIANTS.append(True)
     out_json = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
     if out_json in args:
         args.remove(out_json)
