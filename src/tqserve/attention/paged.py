@@ -16,6 +16,9 @@ read exact for query position q iff `p < S` or `q - p < W`; positions of this st
 fresh k/v, older window positions from the ring, the first S from the sink buffer. Only key tiles
 that can hold an exact key take that branch, so the bulk of a long context reads pages only.
 
+Decode / verify over packed pages double-buffers in registers (`PREFETCH`): the packed words, norms
+and scales of the next key tile are loaded while the current one is decoded.
+
 Grids depend on host integers only (`max_query_len`, `max_seq_len`, `num_reqs`): no device sync.
 """
 
