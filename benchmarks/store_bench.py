@@ -1,11 +1,11 @@
 """Store-kernel benchmark: every preset's fused store against the card's copy rate, one process.
 
-python benchmarks/store_bench.py [--old path/to/old_store_triton.py] [--sweep p1,p2] [--json out.json]
+python benchmarks/store_bench.py [--old label=path/to/store_triton.py ...] [--sweep p1,p2] [--json out.json]
 
 Bytes per call are the fewest the store must move (as `tqserve bench kernels` counts them): the
 bf16 K and V it reads, the page bytes it writes (indices, fp8 or bf16 payload, scales, zeros) and
-the int64 slot mapping. `--old` times a second copy of the kernel module side by side (a
-committed version, for before / after numbers on the same card in the same process); `--sweep`
+the int64 slot mapping. `--old label=path` times other copies of the kernel module side by side
+(committed versions, for before / after numbers on the same card in the same process); `--sweep`
 also times other launch shapes (tokens per program x warps) for the presets it names.
 Times are medians of CUDA-graph replays.
 """
@@ -41,7 +41,7 @@ def _load(path: str):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--old", default=None)
+    ap.add_argument("--old", action="append", default=[], help="label=path of another kernel module")
     ap.add_argument("--sweep", default="", help="comma-separated presets to also time at other launch shapes")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=8)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqserve.kvquant import store_triton as new
 
     dev = torch.device("cuda")
-    old = _load(args.old) if args.old else None
+    others = [(spec.split("=", 1)[0], _load(spec.split("=", 1)[1])) for spec in args.old]
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  copy {bw:.0f} GB/s", flush=True)
     t, hkv, d, bs = args.tokens, args.heads, args.head_dim, 16
@@ -66,20 +66,17 @@ def main(argv: list[str] | None = None) -> int:
         slots = torch.randperm(t, device=dev, generator=gen) + bs
         nbytes = 2 * k.numel() * 2 + t * fmt.page_bytes_per_token() + t * 8
         cases = []
-        if old is not None:
-            cases.append(("old", old, old.StorePlan(fmt, dev), {}))
-        plan = new.StorePlan(fmt, dev)
-        cases.append(("new", new, plan, {}))
-        if preset in args.sweep.split(","):
-            tq = new.TQ in {s[0] for s in plan.sides}
-            shapes = [(32, 4), (64, 4), (64, 8), (128, 8)] if tq else [(16, 4), (32, 4), (64, 4), (64, 8)]
-            for bt, nw in shapes:
-                cases.append((f"new bt{bt} w{nw}", new, plan, {"block_tokens": bt, "num_warps": nw}))
-            if tq and d >= 128:
-                p128 = new.StorePlan(fmt, dev, wmax=128)
-                cases.append(("new W128", new, p128, {}))
-                p32 = new.StorePlan(fmt, dev, wmax=32)
-                cases.append(("new W32", new, p32, {}))
+        for label, mod in [*others, ("new", new)]:
+            plan = mod.StorePlan(fmt, dev)
+            cases.append((label, mod, plan, {}))
+            tq = mod.TQ in {s[0] for s in plan.sides}
+            if preset in args.sweep.split(",") and label != "old":
+                shapes = [(32, 4), (64, 8), (128, 8)] if tq else [(32, 4), (64, 4)]
+                for bt, nw in shapes:
+                    cases.append((f"{label} bt{bt} w{nw}", mod, plan, {"block_tokens": bt, "num_warps": nw}))
+                if tq and label == "new":
+                    cases.append(("new C32", mod, mod.StorePlan(fmt, dev, chunk=32), {}))
+                    cases.append(("new C32 bt32", mod, mod.StorePlan(fmt, dev, chunk=32), {"block_tokens": 32}))
         for label, mod, pl, kw in cases:
             try:
                 ms = _time(lambda mod=mod, pl=pl, kw=kw, p=pages, k=k, v=v, s=slots: mod.store_kv(p, pl, k, v, s, **kw))

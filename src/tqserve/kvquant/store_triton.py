@@ -473,13 +473,16 @@ class StorePlan:
 
 
 def _launch_shape(plan: StorePlan) -> tuple[int, int]:
-    """(tokens per program, warps): measured on H100 (docs/benchmarks.md, store)."""
-    modes = {s[0] for s in plan.sides}
-    if TQ in modes:
-        return 64, 4
-    if TQ_DENSE in modes:
-        return 64, 8
-    return 16, 4
+    """(tokens per program, warps), from the H200 sweep in docs/benchmarks.md (store): one
+    TurboQuant side with word-packed indices (b = 2, 4) runs best at 32 tokens (more programs per
+    SM: the kernel is latency-bound at 130-250 registers a thread), the rest at 64; other presets
+    at 16 (32 and 64 measured no faster)."""
+    tq = [g for s, g in zip(plan.sides, plan.group) if s[0] in (TQ, TQ_DENSE)]
+    if not tq:
+        return 16, 4
+    if len(tq) == 1 and tq[0] == 0 and plan.tiles is not None:
+        return 32, 4
+    return 64, 4
 
 
 def store_kv(
