@@ -420,6 +420,8 @@ class StorePlan:
         modes = set()
         for side, codec in (("k", fmt.key_codec), ("v", fmt.value_codec)):
             if isinstance(codec, TurboQuantCodec):
+                if codec.scale_mode not in SCALE_MODES:  # e.g. the gain-search encoder ('nc+search')
+                    raise NotImplementedError(f"no store kernel for TurboQuant scale mode {codec.scale_mode!r}")
                 cb, bnd = tq_codebook(codec.bits, d, device)
                 half = 1 << (codec.bits - 1)
                 self.sym &= bool(torch.equal(bnd[half:], -bnd[: half - 1].flip(0)))
