@@ -110,8 +110,8 @@ def one(old, p, n_req, L, qlen, shape, sd, sweep, dev) -> None:
         row(shape=shape, preset=p, variant="f16join", ms=ms, vs_new=new_ms / ms, vs_sdpa=sd / ms, diff=err,
             regs=getattr(ck, "n_regs", -1), spills=getattr(ck, "n_spills", -1))  # fmt: skip
         paged.FAST["f16join"] = False
-    if sweep == "verify" and p in ("turboquant_4bit_nc", "tq4") and qlen > 1:
-        for bn in (32, 64, 128):
+    if sweep == "verify" and p in ("turboquant_4bit_nc", "tq4", "tq3") and qlen > 1:
+        for bn in (32, 64, 128) if p != "tq3" else (32, 64):
             tuning.OVERRIDES["decode"] = tuning.AttnConfig(1, bn, 4, 1, True)
             ms = _bench(c.run)
             ck = paged.LAST_LAUNCH.get("kernel")

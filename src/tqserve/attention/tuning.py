@@ -59,9 +59,10 @@ def pick_config(
             # Tiles from the H200 sweep of 2026-11-26 (decode 32 x 32K): 3- and 4-bit keys without exact
             # copies run best with 128-key tiles (4bit_nc 2.37 vs 2.57 ms at 64, 3bit_nc 2.17 vs 2.42),
             # 5-bit keys (per-element lookups, most registers) with 32 (tq4 3.77 vs 4.17 ms at 64);
-            # sink / window presets keep 64. Verify 32 x (1+4) (32 rows), 4bit_nc: 128 keys 3.06 ms, 64
-            # keys 3.56, 32 keys 3.71; tq4: 32 keys 4.53, 64 keys 5.21.
-            if codebook_key_bits >= 5:
+            # sink / window presets keep 64 in decode. Verify 32 x (1+4) (32 rows), 4bit_nc: 128 keys
+            # 3.06 ms, 64 keys 3.56, 32 keys 3.71; tq4: 32 keys 4.53, 64 keys 5.21; tq3 (sink / window):
+            # 32 keys 3.46, 64 keys 3.80 (fewer spills).
+            if codebook_key_bits >= 5 or (exact and bq * gp > 16):
                 block_n = 32
             elif codebook_key_bits in (3, 4) and not exact and not big_d and bq * gp <= 32:
                 block_n = 128
