@@ -48,8 +48,9 @@ def engine_prefill(llm, prompts: list[list[int]]) -> tuple[float, list[int]]:
     return time.perf_counter() - t, [o.outputs[0].token_ids[0] for o in outs]
 
 
-def engine_decode(llm, prompts: list[list[int]], steps: int) -> float:
-    """Tokens/s of the engine steps in which every request decodes (prefill done first, untimed)."""
+def engine_decode(llm, prompts: list[list[int]], steps: int, step_ms: list | None = None) -> float:
+    """Tokens/s of the engine steps in which every request decodes (prefill done first, untimed).
+    `step_ms` collects each step's wall time (a compile inside the timed loop shows up there)."""
     from tqserve import SamplingParams
 
     eng = llm.engine
@@ -63,7 +64,11 @@ def engine_decode(llm, prompts: list[list[int]], steps: int) -> float:
     tokens = 0
     while eng.has_unfinished_requests():
         tokens += len(eng.scheduler.running)
+        t0 = time.perf_counter()
         eng.step()
+        if step_ms is not None:
+            _sync()
+            step_ms.append(round((time.perf_counter() - t0) * 1e3, 2))
     _sync()
     return tokens / (time.perf_counter() - t)
 
@@ -165,6 +170,8 @@ def main() -> None:
         engine_decode(llm, dec[:, :32].tolist(), 4)
         t_ours, our_next = engine_prefill(llm, pre.tolist())
         ours_dec = engine_decode(llm, dec.tolist(), args.decode_steps)
+        step_ms: list[float] = []
+        engine_decode(llm, dec.tolist(), args.decode_steps, step_ms)  # again, each step timed alone
         row = {
             "kv_cache_dtype": kv,
             "prefill": {"batch": args.prefill_batch, "len": args.prefill_len,
@@ -172,7 +179,8 @@ def main() -> None:
                         "ratio": (pre.numel() / t_ours) / ref_pre,
                         "top1_agree": float((torch.tensor(our_next) == ref_next.cpu()).float().mean())},
             "decode": {"batch": args.decode_batch, "context": args.decode_ctx, "steps": args.decode_steps,
-                       "tqserve_tok_s": ours_dec, "transformers_tok_s": ref_dec, "ratio": ours_dec / ref_dec},
+                       "tqserve_tok_s": ours_dec, "transformers_tok_s": ref_dec, "ratio": ours_dec / ref_dec,
+                       "step_ms": step_ms},
         }  # fmt: skip
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
