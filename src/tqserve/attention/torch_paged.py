@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tqserve.attention.reference import ReferenceBackend, _request_index
-from tqserve.kvquant.base import ExactFormat
+from tqserve.kvquant.base import ExactFormat, null_redirect
 
 # Steps whose longest query is at most this go through the batched path, and so do wider steps
 # (prefill of several short prompts) whose padding to the longest query at most doubles the work.
@@ -23,8 +23,20 @@ class TorchPagedBackend(ReferenceBackend):
         if fmt.window or fmt.sink or not _batchable(meta):
             return super().forward(layer_idx, q, k, v, meta, scale)
         pages = self.store.pages[layer_idx]
-        fmt.write(pages, k, v, meta.slot_mapping[: meta.num_tokens])
+        if isinstance(fmt, ExactFormat):
+            fmt.write(pages, k, v, None, offsets=_page_offsets(meta, self.store.block_size))
+        else:
+            fmt.write(pages, k, v, meta.slot_mapping[: meta.num_tokens])
         return _batched_attention(q, fmt, pages, self.store.block_size, meta, scale)
+
+
+def _page_offsets(meta, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset) of every token's slot, computed once per step for all layers."""
+    po = meta.extra.get("page_offsets")
+    if po is None:
+        slots = null_redirect(meta.slot_mapping[: meta.num_tokens])
+        po = meta.extra["page_offsets"] = (slots // bs, slots % bs)
+    return po
 
 
 def _batchable(meta) -> bool:
@@ -103,6 +115,8 @@ def _batched_attention(q, fmt, pages, bs, meta, scale):
     o = F.scaled_dot_product_attention(
         qp.transpose(1, 2), keys, vals, attn_mask=plan["mask"], scale=scale, enable_gqa=True
     )  # [R, Hq, Qmax, d]
+    if meta.max_query_len == 1 and t == r == q.shape[0]:
+        return o.squeeze(2).to(q.dtype)  # no padding rows: the output is SDPA's, as a view
     out = torch.empty_like(q)
     if meta.max_query_len == 1 and t == r:
         out[:t] = o.squeeze(2).to(q.dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=0, help="synthetic prompts of this many tokens; time decode only")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="alternate the two sides this many times; report each side's median"
+    )
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -119,12 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     rows = []
     for b in args.batch:
-        ref = bench_transformers(hf, loaded[2], b, args.new_tokens, device) if hf is not None else None
         for kv in args.kv_cache_dtype:
-            ours = bench_tqserve(
-                loaded, b, args.new_tokens, str(device), dtype_name, args.prompt_len, kv_cache_dtype=kv
-            )
+            refs, ours_all = [], []
+            for _ in range(max(1, args.repeats)):
+                # Alternating the sides spreads any drift of the machine (other load, clocks) over both.
+                if hf is not None:
+                    refs.append(bench_transformers(hf, loaded[2], b, args.new_tokens, device))
+                ours_all.append(
+                    bench_tqserve(
+                        loaded, b, args.new_tokens, str(device), dtype_name, args.prompt_len, kv_cache_dtype=kv
+                    )
+                )
+            ours = statistics.median(ours_all)
+            ref = statistics.median(refs) if refs else None
             row = {"batch": b, "prompt_len": args.prompt_len, "kv_cache_dtype": kv, "tqserve_tok_s": ours}
+            if len(ours_all) > 1:
+                row.update(tqserve_runs=ours_all, transformers_runs=refs)
             line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} tqserve {ours:9.1f} tok/s"
             if ref is not None:
                 row.update(transformers_tok_s=ref, ratio=ours / ref)

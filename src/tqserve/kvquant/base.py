@@ -90,8 +90,9 @@ class ExactFormat(LayerKVFormat):
             "v": torch.zeros(shape, dtype=self.storage_dtype, device=device),
         }
 
-    def write(self, cache, k, v, slot_mapping):
-        page, off = page_offsets(cache["k"], slot_mapping)
+    def write(self, cache, k, v, slot_mapping, offsets: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`offsets`: (page, offset) of each slot when the caller already has them (shared by layers)."""
+        page, off = offsets if offsets is not None else page_offsets(cache["k"], slot_mapping)
         cache["k"][page, :, off] = k.to(self.storage_dtype)
         cache["v"][page, :, off] = v.to(self.storage_dtype)
 
