@@ -18,6 +18,14 @@ boundaries below |y| in a constexpr-unrolled loop of scalar compares (2^(b-1) - 
 instead of 2^b - 1), and indices are packed 8 at a time into one b-byte group (one 1-, 2- or
 4-byte store for b = 1, 2, 4). Rotations whose Hadamard blocks don't fit that scheme (a block of 8,
 or more than four tiles) use the dense float32 R product instead.
+
+The gain-search encoder (scale modes `nc+search` / `unbiased+search`, presets tq4s / tq3s / `_ncs` /
+`_ubs`) runs inside the same launch: for each gain of `reference.SEARCH_GAINS` (a runtime loop) the
+rotated tiles are quantized at gain * y with the same boundary search, <y, c> and ||c||^2 are summed
+in float32, and each row keeps the gain of the largest cosine (first maximum, as the reference's
+argmax); its indices are then formed again and packed, with the mode's scale. Indices match the
+reference except where two gains' cosines agree to float rounding (y's summation order differs).
+About 50 quantizations per element: some 30x slower than the plain encoder (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -158,6 +166,28 @@ def _tq_tile_out(
 
 
 @triton.jit
+def _tq_gain_stats(y, g, cb_ptr, bnd_ptr, BITS: tl.constexpr, SYM: tl.constexpr):
+    """Rows' <y, c> and ||c||^2 over this tile for c = c[nearest-centroid indices of g * y] (the
+    gain-search candidate of gain g; g a scalar or a [BT, 1] column)."""
+    cv = tl.load(cb_ptr + _tq_index(y * g, bnd_ptr, BITS, SYM))
+    return tl.sum(y * cv, 1), tl.sum(cv * cv, 1)
+
+
+@triton.jit
+def _tq_pick(dot, cc, g, best_cos, best_g, best_dot, best_cc):
+    """Keep gain g where its cosine <y, c> / ||c|| beats the best so far (strictly: the first
+    maximum wins, as the reference's argmax)."""
+    cos = dot / tl.maximum(tl.sqrt(cc), 1e-30)
+    up = cos > best_cos
+    return (
+        tl.where(up, cos, best_cos),
+        tl.where(up, g, best_g),
+        tl.where(up, dot, best_dot),
+        tl.where(up, cc, best_cc),
+    )
+
+
+@triton.jit
 def _rot_tile(x_ptr, xrow, tok_ok, had_ptr, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
     """z = x[:, col0:col0 + W] @ (diag(s) H_W) with a float32 accumulator, and the rows' sum of z^2
     (= W * sum of x^2 there). The sign-folded matrix of this tile sits at had_ptr + col0 * HS."""
@@ -185,8 +215,9 @@ def _rot_tile(x_ptr, xrow, tok_ok, had_ptr, col0, W: tl.constexpr, HS: tl.conste
 
 @triton.jit
 def _tq_side(
-    x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, cb_ptr, bnd_ptr, had_ptr,
+    x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, cb_ptr, bnd_ptr, had_ptr, gain_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, SYM: tl.constexpr, GS: tl.constexpr,
+    SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
     NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
     O3: tl.constexpr, W3: tl.constexpr,
@@ -194,7 +225,12 @@ def _tq_side(
 ):  # fmt: skip
     """TurboQuant side by Hadamard tiles: the first block is G0 tiles of width W (G0 in 1, 2, 4,
     joined by butterflies), then up to NT - G0 more blocks of one tile each (offset Oi, width Wi);
-    SCi = 1 / sqrt(block size). ||x||^2 comes from the tiles: sum over tiles of ||z||^2 / width."""
+    SCi = 1 / sqrt(block size). ||x||^2 comes from the tiles: sum over tiles of ||z||^2 / width.
+
+    SEARCH: the gain-search encoder. For each of the NGAIN gains at gain_ptr (1 first) the rows'
+    <y, c> and ||c||^2 of the candidate indices (nearest centroids of gain * y) are summed over the
+    tiles; each row keeps the gain of the largest cosine (first maximum wins), and its indices are
+    formed again from gain * y (the same float32 product, so the same indices) and packed."""
     z0, ss = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 0, W, W, NSPLIT)
     if G0 > 1:
         z1, s1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, W, W, W, NSPLIT)
@@ -215,38 +251,94 @@ def _tq_side(
         ss += s6 * (1.0 / W3)
     n = tl.sqrt(ss)
     rn = 1.0 / tl.maximum(n, 1e-30)
+    # the rotated unit vector's tiles: ya.. (first block, columns 0, W, 2W, 3W), yt1.. (other blocks)
     f = (rn * SC0)[:, None]
     if G0 == 1:
-        acc = _tq_tile_out(z0 * f, 0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                           BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+        ya = z0 * f
     elif G0 == 2:
-        acc = _tq_tile_out((z0 + z1) * f, 0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                           BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
-        acc += _tq_tile_out((z0 - z1) * f, W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                            BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+        ya = (z0 + z1) * f
+        yb = (z0 - z1) * f
     else:
         # H_4 over the tile index (Sylvester): rows ++++, +-+-, ++--, +--+
         a = z0 + z1
         b = z0 - z1
         c = z2 + z3
         e = z2 - z3
-        acc = _tq_tile_out((a + c) * f, 0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                           BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
-        acc += _tq_tile_out((b + e) * f, W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                            BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
-        acc += _tq_tile_out((a - c) * f, 2 * W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                            BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
-        acc += _tq_tile_out((b - e) * f, 3 * W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                            BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+        ya = (a + c) * f
+        yb = (b + e) * f
+        yc = (a - c) * f
+        yd = (b - e) * f
     if NT > G0:
-        acc += _tq_tile_out(t1 * (rn * SC1)[:, None], O1, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                            BITS, SCALE_MODE, SYM, GS, D, BT, W1)  # fmt: skip
+        yt1 = t1 * (rn * SC1)[:, None]
     if NT > G0 + 1:
-        acc += _tq_tile_out(t2 * (rn * SC2)[:, None], O2, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                            BITS, SCALE_MODE, SYM, GS, D, BT, W2)  # fmt: skip
+        yt2 = t2 * (rn * SC2)[:, None]
     if NT > G0 + 2:
-        acc += _tq_tile_out(t3 * (rn * SC3)[:, None], O3, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                            BITS, SCALE_MODE, SYM, GS, D, BT, W3)  # fmt: skip
+        yt3 = t3 * (rn * SC3)[:, None]
+    if SEARCH:
+        best_cos = tl.full([BT], float("-inf"), tl.float32)
+        best_g = tl.full([BT], 1.0, tl.float32)
+        best_dot = tl.zeros([BT], dtype=tl.float32)
+        best_cc = tl.zeros([BT], dtype=tl.float32)
+        for gi in range(NGAIN):
+            g = tl.load(gain_ptr + gi)
+            dot, cc = _tq_gain_stats(ya, g, cb_ptr, bnd_ptr, BITS, SYM)
+            if G0 > 1:
+                d1, c1 = _tq_gain_stats(yb, g, cb_ptr, bnd_ptr, BITS, SYM)
+                dot += d1
+                cc += c1
+            if G0 > 2:
+                d2, c2 = _tq_gain_stats(yc, g, cb_ptr, bnd_ptr, BITS, SYM)
+                d3, c3 = _tq_gain_stats(yd, g, cb_ptr, bnd_ptr, BITS, SYM)
+                dot += d2 + d3
+                cc += c2 + c3
+            if NT > G0:
+                d4, c4 = _tq_gain_stats(yt1, g, cb_ptr, bnd_ptr, BITS, SYM)
+                dot += d4
+                cc += c4
+            if NT > G0 + 1:
+                d5, c5 = _tq_gain_stats(yt2, g, cb_ptr, bnd_ptr, BITS, SYM)
+                dot += d5
+                cc += c5
+            if NT > G0 + 2:
+                d6, c6 = _tq_gain_stats(yt3, g, cb_ptr, bnd_ptr, BITS, SYM)
+                dot += d6
+                cc += c6
+            best_cos, best_g, best_dot, best_cc = _tq_pick(dot, cc, g, best_cos, best_g, best_dot, best_cc)
+        gc = best_g[:, None]
+        _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(ya * gc, bnd_ptr, BITS, SYM), 0, BITS, D, BT, W, GS)
+        if G0 > 1:
+            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yb * gc, bnd_ptr, BITS, SYM), W, BITS, D, BT, W, GS)
+        if G0 > 2:
+            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yc * gc, bnd_ptr, BITS, SYM), 2 * W, BITS, D, BT, W, GS)
+            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yd * gc, bnd_ptr, BITS, SYM), 3 * W, BITS, D, BT, W, GS)
+        if NT > G0:
+            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yt1 * gc, bnd_ptr, BITS, SYM), O1, BITS, D, BT, W1, GS)
+        if NT > G0 + 1:
+            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yt2 * gc, bnd_ptr, BITS, SYM), O2, BITS, D, BT, W2, GS)
+        if NT > G0 + 2:
+            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yt3 * gc, bnd_ptr, BITS, SYM), O3, BITS, D, BT, W3, GS)
+        if SCALE_MODE == 1:
+            acc = best_cc
+        else:
+            acc = best_dot
+    else:
+        acc = _tq_tile_out(ya, 0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr, BITS, SCALE_MODE, SYM, GS, D, BT, W)
+        if G0 > 1:
+            acc += _tq_tile_out(yb, W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr, BITS, SCALE_MODE, SYM, GS, D, BT, W)
+        if G0 > 2:
+            acc += _tq_tile_out(yc, 2 * W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                                BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+            acc += _tq_tile_out(yd, 3 * W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                                BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+        if NT > G0:
+            acc += _tq_tile_out(yt1, O1, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                                BITS, SCALE_MODE, SYM, GS, D, BT, W1)  # fmt: skip
+        if NT > G0 + 1:
+            acc += _tq_tile_out(yt2, O2, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                                BITS, SCALE_MODE, SYM, GS, D, BT, W2)  # fmt: skip
+        if NT > G0 + 2:
+            acc += _tq_tile_out(yt3, O3, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
+                                BITS, SCALE_MODE, SYM, GS, D, BT, W3)  # fmt: skip
     if SCALE_MODE == 0:
         sc = n
     elif SCALE_MODE == 1:
@@ -259,8 +351,8 @@ def _tq_side(
 @triton.jit
 def _store_side(
     x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, cb_ptr, bnd_ptr, rot_ptr, had_ptr,
-    MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    SYM: tl.constexpr, NSPLIT: tl.constexpr,
+    gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    SYM: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr, NSPLIT: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
@@ -269,8 +361,8 @@ def _store_side(
     t = t0 + tl.arange(0, BT)
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
-        _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, cb_ptr, bnd_ptr, had_ptr,
-                 BITS, SCALE_MODE, SYM, GS, NSPLIT, D, BT, W, G0, NT, O1, W1, O2, W2, O3, W3,
+        _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, cb_ptr, bnd_ptr, had_ptr, gain_ptr,
+                 BITS, SCALE_MODE, SYM, GS, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT, O1, W1, O2, W2, O3, W3,
                  SC0, SC1, SC2, SC3)  # fmt: skip
     else:
         d = tl.arange(0, DP)
@@ -304,6 +396,28 @@ def _store_side(
             # dense float32 R (rotations the tiled Hadamard path does not cover), chunks of C columns
             n = tl.sqrt(tl.sum(x * x, 1))
             u = x / tl.maximum(n, 1e-30)[:, None]
+            # gain search: the rows' gain of the best cosine, y recomputed by chunk for every gain
+            # (gain 1 without search); the chunk loop below then packs what that gain gives
+            gc = tl.full([BT], 1.0, tl.float32)
+            if SEARCH:
+                best_cos = tl.full([BT], float("-inf"), tl.float32)
+                best_dot = tl.zeros([BT], dtype=tl.float32)
+                best_cc = tl.zeros([BT], dtype=tl.float32)
+                for gi in range(NGAIN):
+                    g = tl.load(gain_ptr + gi)
+                    dot = tl.zeros([BT], dtype=tl.float32)
+                    cc = tl.zeros([BT], dtype=tl.float32)
+                    for c0 in tl.static_range(0, DP, C):
+                        j = c0 + tl.arange(0, C)
+                        rt = tl.load(
+                            rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0
+                        )
+                        y = tl.dot(u, rt, input_precision="ieee")
+                        cv = tl.load(cb_ptr + _tq_index(y * g, bnd_ptr, BITS, SYM))
+                        jm = (j < D)[None, :]
+                        dot += tl.sum(tl.where(jm, y * cv, 0.0), 1)
+                        cc += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
+                    best_cos, gc, best_dot, best_cc = _tq_pick(dot, cc, g, best_cos, gc, best_dot, best_cc)
             cnorm2 = tl.zeros([BT], dtype=tl.float32)
             ydotc = tl.zeros([BT], dtype=tl.float32)
             for c0 in tl.static_range(0, DP, C):
@@ -311,7 +425,10 @@ def _store_side(
                 # B[i, j] = R[j, i]: y_row = u_row @ R^T
                 rt = tl.load(rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0)
                 y = tl.dot(u, rt, input_precision="ieee")
-                idx = _tq_index(y, bnd_ptr, BITS, SYM)
+                if SEARCH:
+                    idx = _tq_index(y * gc[:, None], bnd_ptr, BITS, SYM)
+                else:
+                    idx = _tq_index(y, bnd_ptr, BITS, SYM)
                 cv = tl.load(cb_ptr + idx)
                 jm = (j < D)[None, :]
                 cnorm2 += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
@@ -330,12 +447,12 @@ def _store_side(
 def _store_kv_kernel(
     k_ptr, v_ptr, stride_kt, stride_vt, slot_ptr, T,
     kpay_ptr, ksc_ptr, kzr_ptr, kcb_ptr, kbnd_ptr,
-    vpay_ptr, vsc_ptr, vzr_ptr, vcb_ptr, vbnd_ptr, rot_ptr, had_ptr,
+    vpay_ptr, vsc_ptr, vzr_ptr, vcb_ptr, vbnd_ptr, rot_ptr, had_ptr, gain_ptr,
     HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
     VMODE: tl.constexpr, VBITS: tl.constexpr, VGS: tl.constexpr,
-    SCALE_MODE: tl.constexpr, SYM: tl.constexpr, NSPLIT: tl.constexpr,
-    W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SYM: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
+    NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
 ):  # fmt: skip
@@ -348,10 +465,10 @@ def _store_kv_kernel(
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, kcb_ptr, kbnd_ptr, rot_ptr,
-                had_ptr, KMODE, KBITS, KGS, SCALE_MODE, SYM, NSPLIT, D, DP, BT, C,
+                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, SYM, SEARCH, NGAIN, NSPLIT, D, DP, BT, C,
                 W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vcb_ptr, vbnd_ptr, rot_ptr,
-                had_ptr, VMODE, VBITS, VGS, SCALE_MODE, SYM, NSPLIT, D, DP, BT, C,
+                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, SYM, SEARCH, NGAIN, NSPLIT, D, DP, BT, C,
                 W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
 
 
@@ -399,11 +516,13 @@ class StorePlan:
             MinMaxCodec,
             TurboQuantCodec,
         )
-        from tqserve.kvquant.reference import tq_codebook
+        from tqserve.kvquant.reference import SEARCH_GAINS, tq_codebook
         from tqserve.kvquant.rotation import Rotation, hadamard_blocks
 
         self.head_dim = d = fmt.head_dim
         self.scale_mode = 0
+        self.search = False
+        self.gains: torch.Tensor | None = None
         self.rot = self.tiles = None
         self.had: dict[torch.dtype, torch.Tensor] = {}
         self.sym = True
@@ -420,8 +539,12 @@ class StorePlan:
         modes = set()
         for side, codec in (("k", fmt.key_codec), ("v", fmt.value_codec)):
             if isinstance(codec, TurboQuantCodec):
-                if codec.scale_mode not in SCALE_MODES:  # e.g. the gain-search encoder ('nc+search')
+                base = getattr(codec, "base_mode", codec.scale_mode)  # 'nc' of the search encoder 'nc+search'
+                search = bool(getattr(codec, "search", False))
+                if base not in SCALE_MODES:
                     raise NotImplementedError(f"no store kernel for TurboQuant scale mode {codec.scale_mode!r}")
+                if search and base == "plain":
+                    raise ValueError("the gain search needs a scale fitted to the indices (nc or unbiased), not plain")
                 cb, bnd = tq_codebook(codec.bits, d, device)
                 half = 1 << (codec.bits - 1)
                 self.sym &= bool(torch.equal(bnd[half:], -bnd[: half - 1].flip(0)))
@@ -438,7 +561,7 @@ class StorePlan:
                     self.rot = rot.matrix.to(device=device, dtype=torch.float32).contiguous()
                     mode = TQ_DENSE
                 self.sides.append((mode, codec.bits, f"{side}_idx", f"{side}_scale", None, cb, bnd))
-                modes.add(SCALE_MODES[codec.scale_mode])
+                modes.add((SCALE_MODES[base], search))
             elif isinstance(codec, MinMaxCodec):
                 self.sides.append((MINMAX, codec.bits, f"{side}_idx", f"{side}_scale", f"{side}_zero", None, None))
             elif isinstance(codec, Fp8ScaledCodec):
@@ -453,7 +576,9 @@ class StorePlan:
             raise NotImplementedError("keys and values with different TurboQuant scale modes")
         if {s[0] for s in self.sides} == {TQ, TQ_DENSE}:
             raise NotImplementedError("keys and values with different rotations")
-        self.scale_mode = modes.pop() if modes else 0
+        self.scale_mode, self.search = modes.pop() if modes else (0, False)
+        if self.search:
+            self.gains = torch.tensor(SEARCH_GAINS, dtype=torch.float32, device=device)
         self.group = [self._group(mode, bits) for mode, bits, *_ in self.sides]
 
     def _group(self, mode: int, bits: int) -> int | None:
@@ -478,9 +603,10 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int]:
     """(tokens per program, warps), from the H200 sweep in docs/benchmarks.md (store): one
     TurboQuant side with word-packed indices (b = 2, 4) runs best at 32 tokens (more programs per
     SM: the kernel is latency-bound at 130-250 registers a thread), the rest at 64; other presets
-    at 16 (32 and 64 measured no faster)."""
+    at 16 (32 and 64 measured no faster). The gain search (~50 quantizations per element) runs best
+    at 16 tokens (H200: tq4s 4.35 ms vs 4.88 at 64, tq3s 3.24 vs 3.70)."""
     tq = [g for s, g in zip(plan.sides, plan.group) if s[0] in (TQ, TQ_DENSE)]
-    if not tq:
+    if not tq or plan.search:
         return 16, 4
     if len(tq) == 1 and tq[0] == 0 and plan.tiles is not None:
         return 32, 4
@@ -529,9 +655,11 @@ def store_kv(
     grid = (triton.cdiv(T, bt), hkv)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
+        plan.gains if plan.search else first,
         HKV=hkv, BS=bs, D=d, DP=dp, BT=bt, C=min(dp, 64),
         KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, VMODE=vm, VBITS=vb, VGS=plan.group[1] or 0,
-        SCALE_MODE=plan.scale_mode, SYM=plan.sym, NSPLIT=nsplit,
+        SCALE_MODE=plan.scale_mode, SYM=plan.sym, SEARCH=plan.search,
+        NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], SC0=1.0 / math.sqrt(w * g0), SC1=rest[0][2], SC2=rest[1][2],
         SC3=rest[2][2], num_warps=warps,
