@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tqserve.layers.linear import linear
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None):
@@ -31,4 +33,4 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (an fp32 copy of a large vocab matrix per step would
         # cost more than it buys); only the [N, vocab] result is widened for the sampler.
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight).float()

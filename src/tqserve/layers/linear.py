@@ -7,6 +7,37 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _onednn_linear_op():
+    """oneDNN's linear (the op inductor emits on CPU), if this torch build has it. On the 2-core
+    AMD Zen 4 CI machine it runs SmolLM2's decode projections 1.2-2x faster than F.linear (MKL
+    sgemm), in the same float32 arithmetic (only the summation order differs)."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        x, w = torch.ones(2, 8), torch.ones(4, 8)
+        if not torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w)):
+            return None
+        return op
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _onednn_linear_op()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through oneDNN for CPU float32 / bfloat16 inputs when available."""
+    if (
+        _ONEDNN_LINEAR is not None
+        and not x.is_cuda
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype == weight.dtype
+        and weight.is_contiguous()
+        and x.numel() > 0
+    ):
+        return _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W stored as [out_features, in_features] (the HF layout)."""
 
@@ -18,7 +49,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -46,13 +77,6 @@ class MergedLinear(Linear):
         return y.split(self.out_sizes, dim=-1)
 
     def shards(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The projections of x, one per shard. On CUDA one fused matmul (fewer launches); on the
-        CPU one matmul per shard over row views of the weight, which MKL runs faster than the
-        wide fused matmul plus the split (measured on SmolLM2 decode batches)."""
-        if x.is_cuda:
-            return self.split(self(x))
-        out = []
-        for start, size in zip(self.offsets, self.out_sizes):
-            b = None if self.bias is None else self.bias[start : start + size]
-            out.append(F.linear(x, self.weight[start : start + size], b))
-        return tuple(out)
+        """The projections of x, one per shard: one fused matmul, cut into views (on the CPU through
+        oneDNN, which runs the fused matmul faster than one MKL matmul per shard)."""
+        return self.split(self(x))
