@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernel-warmup", action="store_true", help="compile every kernel shape class at engine start")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     args = ap.parse_args()
 
@@ -165,6 +166,7 @@ def main() -> None:
             max_num_batched_tokens=max(args.prefill_batch * args.prefill_len, 2048),
             enable_prefix_caching=False,
             gpu_memory_utilization=0.6,
+            kernel_warmup=args.kernel_warmup,
         )
         engine_prefill(llm, pre[:, :64].tolist())  # warm-up: Triton JIT, fla autotune
         engine_decode(llm, dec[:, :32].tolist(), 4)

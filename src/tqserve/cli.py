@@ -25,6 +25,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "reference", "triton"])
     p.add_argument("--chat-template", default=None)
+    p.add_argument(
+        "--kernel-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CUDA: compile every kernel shape class at startup (throw-away steps)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

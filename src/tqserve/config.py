@@ -32,6 +32,9 @@ class EngineArgs:
     chat_template: str | None = None
     served_model_name: str | None = None
     disable_log_stats: bool = True
+    # CUDA: compile every attention / GDN kernel shape class at startup (throw-away steps) instead
+    # of inside the first requests' steps. Off by default until it has run on the GPU.
+    kernel_warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -11,10 +11,8 @@ import torch.nn.functional as F
 from tqserve.attention.reference import ReferenceBackend, _request_index
 from tqserve.kvquant.base import ExactFormat, null_redirect
 
-# Steps whose longest query is at most this go through the batched path, and so do wider steps
-# (prefill of several short prompts) whose padding to the longest query at most doubles the work.
+# Steps whose longest query is at most this go through the batched path.
 MAX_BATCHED_QUERY = 16
-MAX_PADDED_SCORES = 1 << 22  # R * Qmax * L mask entries
 
 
 class TorchPagedBackend(ReferenceBackend):
@@ -40,10 +38,7 @@ def _page_offsets(meta, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _batchable(meta) -> bool:
-    if meta.max_query_len <= MAX_BATCHED_QUERY:
-        return True
-    padded = meta.num_reqs * meta.max_query_len
-    return meta.num_reqs > 1 and padded <= 2 * meta.num_tokens and padded * meta.max_seq_len <= MAX_PADDED_SCORES
+    return meta.max_query_len <= MAX_BATCHED_QUERY
 
 
 def _step_plan(meta, bs: int) -> dict:

@@ -70,6 +70,11 @@ class LLMEngine:
             tokenizer.hf.chat_template = _read_template(args.chat_template)
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
         max_model_len = args.max_model_len or model_max
+        if max_model_len > model_max:
+            # Positions past the model's rotary table would fail inside a step (vLLM refuses too).
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's max_position_embeddings ({model_max})"
+            )
         if args.max_num_batched_tokens is None:
             default = 8192 if device.type == "cuda" else 2048
             args.max_num_batched_tokens = default if args.enable_chunked_prefill else max(default, max_model_len)

@@ -17,6 +17,7 @@ from tqserve.request import Request
 
 logger = logging.getLogger(__name__)
 
+
 def make_formats(model, preset: str, skip_layers: list[int], dtype: torch.dtype) -> list[LayerKVFormat]:
     """One KV format per attention layer; `auto` keeps pages in the model dtype, every other name
     (bfloat16 included: bf16 pages under a float32 model) comes from the preset table."""
@@ -81,6 +82,8 @@ class ModelRunner:
         )
         self.sampler = Sampler(device, config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        if device.type == "cuda" and config.kernel_warmup:
+            self._warmup_kernels()
 
     # ---- setup -------------------------------------------------------------------------------
     def _make_backend(self):
@@ -143,6 +146,39 @@ class ModelRunner:
         del store, backend, hidden
         torch.cuda.empty_cache()
         return int(peak * 1.1) + (256 << 20)
+
+    def _warmup_kernels(self) -> None:
+        """Run one throw-away step of every shape class a real step can fall into, so that Triton
+        compiles (and fla autotunes) each kernel specialization now rather than inside a request's
+        step: decode, spec-verify widths 2..16 (the attention kernel's query-tile classes), split-K
+        decode of one long request, and an extend chunk. Dummy requests write into pages, sequence
+        and sink slots that no request owns yet; nothing is cached, and every real request starts
+        from positions it writes itself (fresh recurrent state, its own ring and sink entries)."""
+        from tqserve.core.outputs import ScheduledRequest
+
+        bs, cfg = self.config.block_size, self.config
+        usable_blocks = self.num_blocks - 1
+        limit = min(self.max_model_len - 1, usable_blocks * bs)
+        long_ctx = min(limit - 1, 8192)
+        shapes = [(q, min(cfg.max_num_seqs, self.max_num_tokens // q), min(256, limit - q)) for q in (1, 2, 4, 8, 16)]
+        shapes += [(1, 1, long_ctx), (min(self.max_num_tokens, limit, 1024), 1, 0)]
+        with torch.inference_mode():
+            for qlen, nreq, ctx in shapes:
+                if nreq < 1 or ctx < 0 or qlen > limit:
+                    continue
+                nblk = min(usable_blocks, -(-(ctx + qlen) // bs))
+                reqs = [
+                    ScheduledRequest(f"warmup{i}", [0] * qlen, ctx, list(range(1, nblk + 1)), i + 1, i + 1, 0, True)
+                    for i in range(nreq)
+                ]
+                inputs = self.builder.build(SchedulerOutput(requests=reqs, num_tokens=qlen * nreq))
+                hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
+                self.model.compute_logits(hidden[inputs.sample_indices])
+        if self.state_pool is not None:
+            for t in self.state_pool.conv + self.state_pool.ssm:
+                t.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _ctx(self, backend, meta) -> ForwardContext:
         ctx = ForwardContext(backend, meta)

@@ -34,6 +34,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.is_contiguous()
         and x.numel() > 0
     ):
+        if x.dim() == 2 and x.shape[0] == 1:
+            # A single row takes oneDNN's matrix-vector path, whose summation order differs from
+            # the matrix path every other row count takes; two identical rows keep a token's
+            # projection bit-identical whatever its step's batch (quantized KV pages turn such
+            # last-bit differences into different indices).
+            return _ONEDNN_LINEAR(x.expand(2, -1).contiguous(), weight, bias, "none", [], "")[:1]
         return _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
