@@ -76,6 +76,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     eng.add_argument("--seed", type=int, default=None)
     eng.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    eng.add_argument(
+        "--kernel-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CUDA: compile every kernel shape class at startup (throw-away steps); off by default",
+    )
     return parser
 
 
@@ -111,6 +117,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "seed": args.seed,
         "device": args.device,
+        "kernel_warmup": args.kernel_warmup,
         "chat_template": resolve_chat_template(args.chat_template),
         "served_model_name": args.served_model_name[0] if args.served_model_name else None,
     }
