@@ -85,8 +85,9 @@ class TurboQuantCodec(VectorCodec):
         super().__init__(head_dim)
         self.bits, self.rotation, self.search = bits, rotation, search
         self.base_mode = scale_mode
-        # The search encoder's indices differ from nearest-centroid ones: its mode name is one the
-        # Triton store kernel does not know, so a GPU store plan refuses it instead of writing other bits.
+        # The search encoder's indices differ from nearest-centroid ones: a distinct mode name, so the
+        # Triton store kernel picks its search path (and a kernel without it could not silently
+        # write nearest-centroid bits).
         self.scale_mode = f"{scale_mode}+search" if search else scale_mode
         self.label = f"tq{bits}-{self.scale_mode}"
 

@@ -11,7 +11,7 @@ Names:
                          tqserve: keys and values both TurboQuant (K, V in 2..6 bits; 8 = fp8 with
                          scale), scale mode `ub` (unbiased, default) / `nc` / `plain`; `ubs` / `ncs`
                          are ub / nc with the gain-search encoder (same page format and decoder,
-                         better indices; torch write path only, see reference.py), S exact sink
+                         better indices, see reference.py), S exact sink
                          tokens and an exact window of the W most recent positions (default 0 / 0).
   <tq preset>+k{K}v{V}@{layers}[+...]
                          per-layer bits: the listed layers (`.`-separated indices or `a-b` ranges)
@@ -51,8 +51,8 @@ VLLM_PRESETS = (
 )
 # tqserve's recommended presets; chosen by the measurements in docs/kv-quality.md. tq4s / tq3s use the
 # gain-search encoder (same pages and decoder as tq4 / tq3's codecs, better indices) and meet the
-# issue's quality goals at <= 4.5 / <= 3.5 bits; until the Triton store kernel implements the search
-# they run on the torch write path only (CPU, or attention_backend torch/reference on the GPU).
+# issue's quality goals at <= 4.5 / <= 3.5 bits. The Triton store kernel runs the search too, at
+# about 1/28 of tq4's store speed (docs/benchmarks.md, store table).
 ALIASES = {
     "tq4": "tq_k5v3_ub_s4_w32",
     "tq3": "tq_k4v2_ub_s4_w48",

@@ -16,7 +16,7 @@ cos(y, c[idx]) (s = 1, the plain nearest-centroid indices, wins ties), then stor
 mode for those indices. Every scale mode's error is a decreasing function of that cosine
 (nc: 2 (1 - cos), unbiased: 1/cos^2 - 1), so the search never does worse than plain indices; on
 random unit vectors at d = 64 it cuts the error by about 2 / 10 / 21 / 28% at 2 / 3 / 4 / 5 bits.
-The Triton store kernel does not implement it (its scale-mode table has no entry for these codecs).
+The Triton store kernel implements the same search (indices equal except at float-rounding ties).
 fp8 with scale: scale = amax / 448 (fp16), q = e4m3(x / scale). fp8 cast: q = e4m3(clamp(x)).
 Min-max (vLLM's values): zero = min, scale = (max - min) / (2^b - 1), both fp16,
 idx = floor((x - zero) / scale + 0.5) clamped to [0, 2^b - 1]; decode zero + idx * scale.
