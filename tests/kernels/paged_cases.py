@@ -95,3 +95,43 @@ def fill_context(store, layer: int, meta: AttentionMetadata, ctx_lens: list[int]
             n = min(fmt.sink, c)
             sk[meta.sink_slots_cpu[i], :, :n] = k[:n].transpose(0, 1).to(sk.dtype)
             sv[meta.sink_slots_cpu[i], :, :n] = v[:n].transpose(0, 1).to(sv.dtype)
+
+
+def backend_step_errors(
+    preset: str,
+    hq: int,
+    hkv: int,
+    d: int,
+    steps: list[tuple[list[int], list[int]]],
+    gen_seed: int,
+    meta_seed: int,
+    device: torch.device,
+    nblocks: int | None = None,
+    bs: int = 16,
+) -> list[float]:
+    """Store kernel + paged attention + exact-copy refresh through the Triton backend vs the
+    reference backend, step after step (`steps`: (context lengths, query lengths) per step, e.g. a
+    prefill then a decode / verify): the attention kernel reads what the store kernel wrote. Returns
+    each step's relative L2 error; every step must keep each request's page count (`make_meta`
+    draws the same pages for the same counts)."""
+    from tqserve.attention.reference import KVCacheStore, ReferenceBackend
+    from tqserve.attention.triton_backend import TritonAttentionBackend
+    from tqserve.kvquant.presets import make_layer_format
+
+    if nblocks is None:
+        nblocks = sum((c + q + bs - 1) // bs for c, q in zip(*steps[-1])) + 4
+    gen = torch.Generator().manual_seed(gen_seed)
+    fmt = make_layer_format(preset, 0, hkv, d, torch.bfloat16)
+    nseq = len(steps[0][0]) + 1  # seq / sink slots 1..n (0 is the null slot)
+    ref_be = ReferenceBackend(KVCacheStore([fmt], nblocks, bs, nseq, nseq, device))
+    tri_be = TritonAttentionBackend(KVCacheStore([fmt], nblocks, bs, nseq, nseq, device))
+    errs = []
+    for ctx, ql in steps:
+        meta = make_meta(ctx, ql, bs, nblocks, device, seed=meta_seed)
+        t = meta.num_tokens
+        q, k, v = (torch.randn(t, h, d, generator=gen).to(device, torch.bfloat16) for h in (hq, hkv, hkv))
+        ref = ref_be.forward(0, q, k, v, meta, d**-0.5)
+        out = tri_be.forward(0, q, k, v, meta, d**-0.5)
+        assert not out.isnan().any()
+        errs.append(float((out.float() - ref.float()).norm() / ref.float().norm()))
+    return errs

@@ -13,10 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from paged_cases import make_meta
+from paged_cases import backend_step_errors
 
-from tqserve.attention.reference import KVCacheStore, ReferenceBackend
-from tqserve.attention.triton_backend import TritonAttentionBackend
 from tqserve.kvquant.packing import unpack_bits
 from tqserve.kvquant.presets import make_layer_format
 from tqserve.kvquant.store_triton import StorePlan, store_kv
@@ -150,29 +148,9 @@ def test_store_search_dense_rotation(preset):
 
 
 def _backend_two_steps(preset, hq, hkv, d, steps, seed, tol=1e-2):
-    """Store kernel + paged attention + ring refresh through the Triton backend vs the reference
-    backend, step after step (prefill, then decode / verify): the attention kernel reads what the
-    store kernel wrote. Every step must keep each request's page count (`make_meta` draws the same
-    pages for the same counts)."""
-    bs = 16
-    nblocks = sum((c + q + bs - 1) // bs for c, q in zip(*steps[-1])) + 4
-    gen = torch.Generator().manual_seed(seed)
-    fmt = make_layer_format(preset, 0, hkv, d, torch.bfloat16)
-    nseq = len(steps[0][0]) + 1  # seq / sink slots 1..n (0 is the null slot)
-    ref_store = KVCacheStore([fmt], nblocks, bs, nseq, nseq, DEV)
-    tri_store = KVCacheStore([fmt], nblocks, bs, nseq, nseq, DEV)
-    ref_be, tri_be = ReferenceBackend(ref_store), TritonAttentionBackend(tri_store)
-    for step, (ctx, ql) in enumerate(steps):
-        meta = make_meta(ctx, ql, bs, nblocks, DEV, seed=seed)
-        t = meta.num_tokens
-        q = torch.randn(t, hq, d, generator=gen).to(DEV, torch.bfloat16)
-        k = torch.randn(t, hkv, d, generator=gen).to(DEV, torch.bfloat16)
-        v = torch.randn(t, hkv, d, generator=gen).to(DEV, torch.bfloat16)
-        ref = ref_be.forward(0, q, k, v, meta, d**-0.5)
-        out = tri_be.forward(0, q, k, v, meta, d**-0.5)
-        assert not out.isnan().any()
-        err = float((out.float() - ref.float()).norm() / ref.float().norm())
-        assert err <= tol, f"{preset} step {step}: rel err {err:.2e}"
+    """The attention kernel reads what the store kernel wrote (see `backend_step_errors`)."""
+    errs = backend_step_errors(preset, hq, hkv, d, steps, seed, seed, DEV)
+    assert max(errs) <= tol, f"{preset}: rel err per step {errs}"
 
 
 @pytest.mark.parametrize("preset", ["tq4s", "tq3s"])
