@@ -28,6 +28,7 @@ class KVCacheStore:
     ) -> None:
         self.formats = formats
         self.block_size = block_size
+        self.device = torch.device(device)
         self.pages = [f.allocate(num_blocks, block_size, device) for f in formats]
         self.ring: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.sinks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -50,6 +51,24 @@ class KVCacheStore:
             if bufs is not None:
                 total += sum(t.numel() * t.element_size() for t in bufs)
         return total
+
+    def fill_ring_from_pages(self, seq_slot: int, block_table: list[int], start: int) -> None:
+        """A request resuming at `start` after a prefix-cache hit never wrote the ring entries of
+        positions [start - W, start), which its first recomputed queries read as exact copies: fill
+        them with the page contents (decoded), the best values that exist for those positions,
+        instead of leaving whatever an earlier request left in this slot."""
+        for layer, f in enumerate(self.formats):
+            if not f.window or start <= 0:
+                continue
+            lo = max(0, start - f.window)
+            pos = torch.arange(lo, start)
+            table = torch.as_tensor(block_table, dtype=torch.long)
+            slots = (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+            k, v = f.read(self.pages[layer], slots)  # [n, Hkv, d] float32
+            rk, rv = self.ring[layer]
+            idx = (pos % f.window).to(self.device)
+            rk[seq_slot][:, idx] = k.transpose(0, 1).to(rk.dtype)
+            rv[seq_slot][:, idx] = v.transpose(0, 1).to(rv.dtype)
 
     def refresh_exact(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """Copy this step's K/V into the ring (entry pos % W) and, for positions < S, the sinks.
@@ -157,18 +176,54 @@ class ReferenceBackend(AttentionBackend):
         return ke, ve, has
 
 
+# Every product below runs on tensors padded to fixed granules: at least MIN_ROWS query rows and
+# keys rounded up to KEY_GRANULE (at least MIN_KEYS). With CPU BLAS, a row of a matmul then comes
+# out bit-identical whatever the chunk, batch or step it is computed in (fewer rows, or a short
+# reduction, take other code paths that round differently). That matters for quantized KV pages:
+# a last-bit difference in a layer's output can move the next layer's key across a quantization
+# boundary, and greedy output would then depend on chunk sizes or prefix-cache hits.
+MIN_ROWS = 16
+KEY_GRANULE = 256
+MIN_KEYS = 512
+
+
+def _padded_heads(x: torch.Tensor, rows: int, group: int) -> torch.Tensor:
+    """[L, H, d] -> [H * group, rows, d] (GQA heads repeated, rows past L zero)."""
+    x = x.repeat_interleave(group, dim=1) if group > 1 else x
+    out = x.new_zeros(x.shape[1], rows, x.shape[2])
+    out[:, : x.shape[0]] = x.transpose(0, 1)
+    return out
+
+
+def _shape(lq: int, lk: int) -> tuple[int, int]:
+    return max(MIN_ROWS, lq), max(MIN_KEYS, -(-lk // KEY_GRANULE) * KEY_GRANULE)
+
+
 def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float, group: int) -> torch.Tensor:
-    # q [Lq, Hq, d], keys [L, Hkv, d] -> [Hq, Lq, L]
-    keys = keys.repeat_interleave(group, dim=1)
-    return torch.einsum("qhd,khd->hqk", q, keys) * scale
+    # q [Lq, Hq, d], keys [L, Hkv, d] -> [Hq, M, Lpad] (padded rows / keys hold junk or zeros)
+    m, lpad = _shape(q.shape[0], keys.shape[0])
+    return torch.bmm(_padded_heads(q, m, 1), _padded_heads(keys, lpad, group).transpose(1, 2)) * scale
+
+
+def _mask(q_pos: torch.Tensor, key_pos: torch.Tensor, m: int, lpad: int) -> torch.Tensor:
+    """True where the score is masked: future keys, padded keys; padded query rows see key 0 only."""
+    qp = torch.full((m,), -1, dtype=q_pos.dtype, device=q_pos.device)
+    qp[: q_pos.shape[0]] = q_pos
+    kp = torch.full((lpad,), torch.iinfo(key_pos.dtype).max, dtype=key_pos.dtype, device=key_pos.device)
+    kp[: key_pos.shape[0]] = key_pos
+    masked = kp[None, :] > qp[:, None]
+    masked[q_pos.shape[0] :, 0] = False
+    return masked
+
+
+def _pv(p: torch.Tensor, vals: torch.Tensor, group: int, lq: int) -> torch.Tensor:
+    # p [Hq, M, Lpad], vals [L, Hkv, d] -> [Lq, Hq, d]
+    return torch.bmm(p, _padded_heads(vals, p.shape[2], group))[:, :lq].transpose(0, 1)
 
 
 def _softmax_out(s, vals, q_pos, key_pos, group):
-    mask = key_pos[None, :] > q_pos[:, None]
-    s = s.masked_fill(mask[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    vals = vals.repeat_interleave(group, dim=1)
-    return torch.einsum("hqk,khd->qhd", p, vals)
+    s = s.masked_fill(_mask(q_pos, key_pos, s.shape[1], s.shape[2])[None], float("-inf"))
+    return _pv(torch.softmax(s, dim=-1), vals, group, q_pos.shape[0])
 
 
 def _attend(q, k, v, q_pos, key_pos, scale, group):
@@ -177,12 +232,14 @@ def _attend(q, k, v, q_pos, key_pos, scale, group):
 
 def _attend_mixed(q, kq, vq, ke, ve, exact, q_pos, key_pos, scale, group):
     """Scores and values chosen per (query, key) between the decoded page and the exact copy."""
-    s = torch.where(exact[None], _scores(q, ke, scale, group), _scores(q, kq, scale, group))
-    mask = key_pos[None, :] > q_pos[:, None]
-    s = s.masked_fill(mask[None], float("-inf"))
+    s_exact, s_quant = _scores(q, ke, scale, group), _scores(q, kq, scale, group)
+    m, lpad = s_exact.shape[1], s_exact.shape[2]
+    ex = torch.zeros((m, lpad), dtype=torch.bool, device=q.device)
+    ex[: exact.shape[0], : exact.shape[1]] = exact
+    s = torch.where(ex[None], s_exact, s_quant)
+    s = s.masked_fill(_mask(q_pos, key_pos, m, lpad)[None], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    pe = torch.where(exact[None], p, torch.zeros_like(p))
-    pq = p - pe
-    out = torch.einsum("hqk,khd->qhd", pe, ve.repeat_interleave(group, dim=1))
-    out += torch.einsum("hqk,khd->qhd", pq, vq.repeat_interleave(group, dim=1))
+    pe = torch.where(ex[None], p, torch.zeros_like(p))
+    lq = q_pos.shape[0]
+    out = _pv(pe, ve, group, lq) + _pv(p - pe, vq, group, lq)
     return out.to(q.dtype)

@@ -1,6 +1,6 @@
 """Batched torch paged attention for the CPU: one padded gather + masked softmax for all requests of
-a decode / verify step, instead of the reference's loop over requests. Wider steps (prefill chunks)
-and presets with exact sink/window copies go through the reference, which defines the numbers.
+a decode / verify step of exact pages, instead of the reference's loop over requests. Wider steps
+(prefill chunks) and every quantized preset go through the reference, which defines the numbers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ MAX_BATCHED_QUERY = 16
 class TorchPagedBackend(ReferenceBackend):
     def forward(self, layer_idx, q, k, v, meta, scale):
         fmt = self.store.formats[layer_idx]
-        if fmt.window or fmt.sink or not _batchable(meta):
+        if not isinstance(fmt, ExactFormat) or not _batchable(meta):
+            # Quantized pages always take the reference path: its products are padded to fixed
+            # granules, so a token's keys and values come out bit-identical whatever the step shape
+            # (a last-bit difference could cross a quantization boundary; see reference.py).
             return super().forward(layer_idx, q, k, v, meta, scale)
         pages = self.store.pages[layer_idx]
         if isinstance(fmt, ExactFormat):

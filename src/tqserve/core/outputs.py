@@ -27,6 +27,9 @@ class SchedulerOutput:
     # checkpoint slot after it.
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Requests resuming after a prefix-cache hit with an exact-window preset: (sequence slot, block
+    # table, resume position); the runner fills their ring entries [resume - W, resume) from pages.
+    ring_fills: list[tuple[int, list[int], int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
 
     @property

@@ -99,6 +99,9 @@ class Scheduler:
             self.running.append(req)
             if ckpt is not None:
                 out.state_restores.append((ckpt, self.kv.seq_slot[req.request_id]))
+            if resume > 0 and self.kv.layout.window:
+                rid = req.request_id
+                out.ring_fills.append((self.kv.seq_slot[rid], list(self.kv.block_tables[rid]), resume))
             self._emit(req, n, out)
             budget -= n
         return out

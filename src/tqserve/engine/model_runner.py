@@ -189,6 +189,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
         inputs = self.builder.build(sched)
+        for slot, table, start in sched.ring_fills:
+            self.store.fill_ring_from_pages(slot, table, start)
         if self.state_pool is not None and sched.state_restores:
             src, dst = zip(*sched.state_restores)
             self.state_pool.copy_slots(self._ids(src), self._ids(dst))
