@@ -16,16 +16,14 @@ UNIFORM = [(13, 1)] * 4  # same-length decodes: the unmasked path
 
 
 @pytest.mark.parametrize("lens", [MIXED, UNIFORM, [(7, 1)]], ids=["mixed", "uniform", "single"])
-@pytest.mark.parametrize("preset", ["auto", "turboquant_4bit_nc", "fp8"])
+@pytest.mark.parametrize("preset", ["auto", "bfloat16"])
 def test_batched_decode_matches_reference(preset, lens):
+    """Exact pages (model dtype, or bfloat16 storage under a float32 model) take the batched path;
+    quantized presets always go through the reference (see torch_paged.py)."""
     torch.manual_seed(0)
     hq, hkv, d, bs = 6, 2, 16, 4
-    if preset == "auto":
-        fmt = [ExactFormat(hkv, d, torch.float32, 0)]
-    else:
-        from tqserve.kvquant.presets import make_layer_format
-
-        fmt = [make_layer_format(preset, 0, hkv, d, torch.float32)]
+    storage = torch.float32 if preset == "auto" else torch.bfloat16
+    fmt = [ExactFormat(hkv, d, torch.float32, 0, storage_dtype=storage)]
     store = KVCacheStore(fmt, 64, bs, 8, 8, torch.device("cpu"))
     pages = store.pages[0]
     # Fill every page through the format's own writer, from random K/V.

@@ -24,11 +24,8 @@ class TorchPagedBackend(ReferenceBackend):
             # (a last-bit difference could cross a quantization boundary; see reference.py).
             return super().forward(layer_idx, q, k, v, meta, scale)
         pages = self.store.pages[layer_idx]
-        if isinstance(fmt, ExactFormat):
-            fmt.write(pages, k, v, None, offsets=_page_offsets(meta, self.store.block_size))
-        else:
-            fmt.write(pages, k, v, meta.slot_mapping[: meta.num_tokens])
-        return _batched_attention(q, fmt, pages, self.store.block_size, meta, scale)
+        fmt.write(pages, k, v, None, offsets=_page_offsets(meta, self.store.block_size))
+        return _batched_attention(q, pages, self.store.block_size, meta, scale)
 
 
 def _page_offsets(meta, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,38 +69,30 @@ def _step_plan(meta, bs: int) -> dict:
         "col": col,
         "mask": None if uniform else allowed[:, None],  # [R, 1, Qmax, L]
         "page_ids": meta.block_tables[:r, :nblk].long(),
-        "slots": (meta.block_tables[:r].long()[:, key_pos // bs] * bs + key_pos % bs).reshape(-1),
         "nblk": nblk,
     }
     meta.extra["torch_paged"] = plan
     return plan
 
 
-def _gather_pages(fmt, pages, plan, r: int, lmax: int):
-    """K/V of every request's first lmax positions, [R, Hkv, L, d] float32 (SDPA's layout). Exact
-    pages are gathered whole (one index_select per tensor); other formats decode token by token."""
-    if isinstance(fmt, ExactFormat):
-        out = []
-        nblk = plan["nblk"]
-        nb, hkv, bs, d = pages["k"].shape
-        rows = plan.get(("rows", hkv))
-        if rows is None:
-            # Row (page, head) of the pages viewed as [nb * Hkv, bs * d], ordered (request, head,
-            # page): one index_select lands K in SDPA's [R, Hkv, L, d] layout, no transpose copy.
-            heads = torch.arange(hkv, device=plan["page_ids"].device)
-            rows = plan[("rows", hkv)] = ((plan["page_ids"] * hkv)[:, None, :] + heads[None, :, None]).reshape(-1)
-        for name in ("k", "v"):
-            t = pages[name].view(nb * hkv, bs * d).index_select(0, rows)
-            out.append(t.view(r, hkv, nblk * bs, d)[:, :, :lmax].float())
-        return out[0], out[1]
-    k, v = fmt.read(pages, plan["slots"])  # [R*L, Hkv, d]
-    return (x.view(r, lmax, *x.shape[1:]).transpose(1, 2) for x in (k, v))
+def _gather_pages(pages, plan, r: int, lmax: int):
+    """K/V of every request's first lmax positions, [R, Hkv, L, d] float32 (SDPA's layout): rows
+    (page, head) of the pages viewed as [nb * Hkv, bs * d], ordered (request, head, page), so one
+    index_select per tensor lands them in place, no transpose copy."""
+    nblk = plan["nblk"]
+    nb, hkv, bs, d = pages["k"].shape
+    rows = plan.get(("rows", hkv))
+    if rows is None:
+        heads = torch.arange(hkv, device=plan["page_ids"].device)
+        rows = plan[("rows", hkv)] = ((plan["page_ids"] * hkv)[:, None, :] + heads[None, :, None]).reshape(-1)
+    k, v = (pages[n].view(nb * hkv, bs * d).index_select(0, rows).view(r, hkv, nblk * bs, d) for n in ("k", "v"))
+    return k[:, :, :lmax].float(), v[:, :, :lmax].float()
 
 
-def _batched_attention(q, fmt, pages, bs, meta, scale):
+def _batched_attention(q, pages, bs, meta, scale):
     r, t = meta.num_reqs, meta.num_tokens
     plan = _step_plan(meta, bs)
-    keys, vals = _gather_pages(fmt, pages, plan, r, meta.max_seq_len)
+    keys, vals = _gather_pages(pages, plan, r, meta.max_seq_len)
     if meta.max_query_len == 1 and t == r:
         # Pure decode: token i is request i's only query, so q needs no padding scatter.
         qp = q[:t].float().unsqueeze(1)
