@@ -22,7 +22,7 @@ def test_fill_ring_from_pages():
     rk.fill_(7.0)  # stale entries of an earlier request in this slot
     rv.fill_(7.0)
     start = 11
-    store.fill_ring_from_pages(2, table, start)
+    store.fill_ring_from_pages(2, pos[:start], slots[:start])  # more positions than the window
     k, v = fmt.read(store.pages[0], slots)
     for p in range(start - window, start):
         assert torch.equal(rk[2, :, p % window], k[p]), p

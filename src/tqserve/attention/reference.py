@@ -28,7 +28,6 @@ class KVCacheStore:
     ) -> None:
         self.formats = formats
         self.block_size = block_size
-        self.device = torch.device(device)
         self.pages = [f.allocate(num_blocks, block_size, device) for f in formats]
         self.ring: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.sinks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -52,23 +51,20 @@ class KVCacheStore:
                 total += sum(t.numel() * t.element_size() for t in bufs)
         return total
 
-    def fill_ring_from_pages(self, seq_slot: int, block_table: list[int], start: int) -> None:
-        """A request resuming at `start` after a prefix-cache hit never wrote the ring entries of
-        positions [start - W, start), which its first recomputed queries read as exact copies: fill
+    def fill_ring_from_pages(self, seq_slot: int, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """A request resuming after a prefix-cache hit never wrote the ring entries of the positions
+        just before its resume point, which its first recomputed queries read as exact copies: fill
         them with the page contents (decoded), the best values that exist for those positions,
-        instead of leaving whatever an earlier request left in this slot."""
+        instead of whatever an earlier request left in this slot. `positions` [n] (ascending, ending
+        just before the resume point, n >= the largest window) and their page `slots` [n]."""
         for layer, f in enumerate(self.formats):
-            if not f.window or start <= 0:
+            if not f.window:
                 continue
-            lo = max(0, start - f.window)
-            pos = torch.arange(lo, start)
-            table = torch.as_tensor(block_table, dtype=torch.long)
-            slots = (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
-            k, v = f.read(self.pages[layer], slots)  # [n, Hkv, d] float32
+            pos, sl = positions[-f.window :], slots[-f.window :]
+            k, v = f.read(self.pages[layer], sl)  # [n, Hkv, d] float32
             rk, rv = self.ring[layer]
-            idx = (pos % f.window).to(self.device)
-            rk[seq_slot][:, idx] = k.transpose(0, 1).to(rk.dtype)
-            rv[seq_slot][:, idx] = v.transpose(0, 1).to(rv.dtype)
+            rk[seq_slot][:, pos % f.window] = k.transpose(0, 1).to(rk.dtype)
+            rv[seq_slot][:, pos % f.window] = v.transpose(0, 1).to(rv.dtype)
 
     def refresh_exact(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """Copy this step's K/V into the ring (entry pos % W) and, for positions < S, the sinks.

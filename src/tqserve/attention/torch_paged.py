@@ -18,7 +18,7 @@ MAX_BATCHED_QUERY = 16
 class TorchPagedBackend(ReferenceBackend):
     def forward(self, layer_idx, q, k, v, meta, scale):
         fmt = self.store.formats[layer_idx]
-        if not isinstance(fmt, ExactFormat) or not _batchable(meta):
+        if not isinstance(fmt, ExactFormat) or meta.max_query_len > MAX_BATCHED_QUERY:
             # Quantized pages always take the reference path: its products are padded to fixed
             # granules, so a token's keys and values come out bit-identical whatever the step shape
             # (a last-bit difference could cross a quantization boundary; see reference.py).
@@ -35,10 +35,6 @@ def _page_offsets(meta, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         slots = null_redirect(meta.slot_mapping[: meta.num_tokens])
         po = meta.extra["page_offsets"] = (slots // bs, slots % bs)
     return po
-
-
-def _batchable(meta) -> bool:
-    return meta.max_query_len <= MAX_BATCHED_QUERY
 
 
 def _step_plan(meta, bs: int) -> dict:

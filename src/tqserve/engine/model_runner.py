@@ -189,8 +189,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
         inputs = self.builder.build(sched)
+        bs = self.config.block_size
         for slot, table, start in sched.ring_fills:
-            self.store.fill_ring_from_pages(slot, table, start)
+            pos = range(max(0, start - self.window), start)
+            self.store.fill_ring_from_pages(slot, self._ids(pos), self._ids(table[p // bs] * bs + p % bs for p in pos))
         if self.state_pool is not None and sched.state_restores:
             src, dst = zip(*sched.state_restores)
             self.state_pool.copy_slots(self._ids(src), self._ids(dst))
