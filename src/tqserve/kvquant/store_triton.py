@@ -45,6 +45,8 @@ SCALE_MODES = {"plain": 0, "nc": 1, "unbiased": 2}
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
 WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+# table gathers through inline PTX on the GPU (`_ld_cell`); the CPU interpreter runs no PTX
+_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -97,80 +99,94 @@ def _pack_tile(
 
 
 @triton.jit
-def _tq_count(a, p_ptr, HALF: tl.constexpr):
-    """#{p < a} over the HALF - 1 ascending boundaries at p_ptr: a binary search whose first three
-    levels pick their threshold by selects between constants, deeper levels by a gather."""
-    S0: tl.constexpr = HALF // 2
-    S1: tl.constexpr = HALF // 4
-    S2: tl.constexpr = HALF // 8
-    b0 = a > tl.load(p_ptr + S0 - 1)
-    cnt = tl.where(b0, S0, 0)
-    if S1 > 0:
-        b1 = a > tl.where(b0, tl.load(p_ptr + S0 + S1 - 1), tl.load(p_ptr + S1 - 1))
-        cnt += tl.where(b1, S1, 0)
-        if S2 > 0:
-            t2 = tl.where(
-                b0,
-                tl.where(b1, tl.load(p_ptr + S0 + S1 + S2 - 1), tl.load(p_ptr + S0 + S2 - 1)),
-                tl.where(b1, tl.load(p_ptr + S1 + S2 - 1), tl.load(p_ptr + S2 - 1)),
-            )
-            cnt += tl.where(a > t2, S2, 0)
-            for lev in tl.static_range(3, 7):
-                if (HALF >> (lev + 1)) > 0:
-                    t = tl.load(p_ptr + cnt + ((HALF >> (lev + 1)) - 1))
-                    cnt += tl.where(a > t, HALF >> (lev + 1), 0)
-    return cnt
+def _ld_cell(tab_ptr, cell, ASM: tl.constexpr):
+    """tab_ptr[cell] (int64 entries). ASM: through inline PTX, an elementwise op in the layout the
+    indices already have (a `tl.load` gather makes Triton move the 64-bit pointer tensor from the
+    MMA layout to a blocked one through shared memory, and the result back); the interpreter,
+    which runs no PTX, takes the load."""
+    if ASM:
+        addr = tab_ptr.to(tl.int64) + cell.to(tl.int64) * 8
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.b64 $0, [$1];", "=l,l", [addr], dtype=tl.int64, is_pure=True, pack=1
+        )
+    else:
+        return tl.load(tab_ptr + cell)
 
 
 @triton.jit
-def _tq_index(y, bnd_ptr, BITS: tl.constexpr, SYM: tl.constexpr):
-    """Number of boundaries strictly below y, per element (torch.bucketize of the reference)."""
-    NLEV: tl.constexpr = 1 << BITS
-    HALF: tl.constexpr = NLEV // 2
-    if SYM:
-        # b[HALF + k] == -b[HALF - 2 - k] exactly; the middle b[HALF - 1] is ~1e-17, not 0.
-        # #{b < y} = [b_mid < y] + (HALF - 1) + #{p < |y|} for y >= 0, - #{p <= |y|} for y < 0,
-        # p over the positive half; p <= |y| is p < (|y| one float up).
-        neg = y < 0.0
-        a = tl.abs(y)
-        a = tl.where(neg, (a.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), a)
-        cnt = _tq_count(a, bnd_ptr + HALF, HALF)
-        mid = tl.load(bnd_ptr + HALF - 1)
-        idx = (y > mid).to(tl.int32) + (HALF - 1) + tl.where(neg, -cnt, cnt)
+def _tq_lookup(y, yc, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, CENT: tl.constexpr):
+    """(#{boundaries < y}, its centroid) per element of rotated coordinates y, by one table lookup.
+
+    yc is y * CS (cells per unit of y) to within a few float ulps (z * (f * CS) will do): its
+    nearest integer picks a table cell (t = yc + 1.5 * 2^23 holds it in its low mantissa bits).
+    `_cell_table` puts at most one boundary p in each cell and none within 5% of a cell edge, so
+    the rounding of yc never changes the count; the count itself is exact in y: the cells below
+    y's hold `base` boundaries, and y > p adds the cell's own. A cell entry is one int64
+    (base << 32 | bits of p, +inf where the cell has none); with CENT, a second one at
+    NCELL + cell holds (c[base + 1] << 32 | c[base]). |y| <= 1.01 stays inside the table; the
+    unsigned clamp keeps NaN or out-of-range rows inside it too."""
+    t = yc + 12582912.0
+    cell = (t.to(tl.int32, bitcast=True) - (0x4B400000 - HALFC)).to(tl.uint32, bitcast=True)
+    cell = tl.minimum(cell, NCELL - 1)
+    e = _ld_cell(tab_ptr, cell, _ASM)
+    up = y > e.to(tl.int32).to(tl.float32, bitcast=True)
+    idx = (e >> 32).to(tl.int32) + up.to(tl.int32)
+    if CENT:
+        ce = _ld_cell(tab_ptr, cell + NCELL, _ASM)
+        cv = tl.where(up, (ce >> 32).to(tl.int32), ce.to(tl.int32)).to(tl.float32, bitcast=True)
     else:
-        idx = tl.zeros(y.shape, dtype=tl.int32)
-        for k in tl.static_range(NLEV - 1):
-            idx += (y > tl.load(bnd_ptr + k)).to(tl.int32)
-    return idx
+        cv = y
+    return idx, cv
 
 
 @triton.jit
 def _tq_tile_out(
-    y, col0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-    BITS: tl.constexpr, SCALE_MODE: tl.constexpr, SYM: tl.constexpr, GS: tl.constexpr,
+    z, f, fc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
+    BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
     D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
 ):  # fmt: skip
-    """Quantize and pack rotated unit-vector coordinates y [BT, W]; return the rows' share of
-    ||c||^2 (nc) or <y, c> (unbiased)."""
-    idx = _tq_index(y, bnd_ptr, BITS, SYM)
+    """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (f, fc = f * CS:
+    [BT, 1] columns); return the rows' share of ||c||^2 (nc) or <y, c> (unbiased)."""
+    y = z * f
+    idx, cv = _tq_lookup(y, z * fc, tab_ptr, NCELL, HALFC, SCALE_MODE != 0)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     if SCALE_MODE == 0:
         part = tl.zeros([BT], dtype=tl.float32)
+    elif SCALE_MODE == 1:
+        part = tl.sum(cv * cv, 1)
     else:
-        cv = tl.load(cb_ptr + idx)
-        if SCALE_MODE == 1:
-            part = tl.sum(cv * cv, 1)
-        else:
-            part = tl.sum(y * cv, 1)
+        part = tl.sum(y * cv, 1)
     return part
 
 
 @triton.jit
-def _tq_gain_stats(y, g, cb_ptr, bnd_ptr, BITS: tl.constexpr, SYM: tl.constexpr):
+def _tq_gain_stats(y, g, gc, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     """Rows' <y, c> and ||c||^2 over this tile for c = c[nearest-centroid indices of g * y] (the
-    gain-search candidate of gain g; g a scalar or a [BT, 1] column)."""
-    cv = tl.load(cb_ptr + _tq_index(y * g, bnd_ptr, BITS, SYM))
+    gain-search candidate of gain g; gc = g * CS)."""
+    _, cv = _tq_lookup(y * g, y * gc, tab_ptr, NCELL, HALFC, True)
     return tl.sum(y * cv, 1), tl.sum(cv * cv, 1)
+
+
+@triton.jit
+def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
+                  BITS: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
+                  D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):  # fmt: skip
+    """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1])."""
+    idx, _ = _tq_lookup(y * g, y * gc, tab_ptr, NCELL, HALFC, False)
+    _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
+
+
+@triton.jit
+def _tq_scale_store(n, acc, sc_ptr, tokp, tok_ok, SCALE_MODE: tl.constexpr):
+    """The stored fp16 scale of a TurboQuant row: n (plain), n / ||c|| (nc, acc = ||c||^2) or
+    n / <y, c> (unbiased, acc = <y, c>)."""
+    if SCALE_MODE == 0:
+        sc = n
+    elif SCALE_MODE == 1:
+        sc = n / tl.maximum(tl.sqrt(acc), 1e-30)
+    else:
+        sc = n / tl.maximum(acc, 1e-30)
+    tl.store(sc_ptr + tokp, tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16), mask=tok_ok)
 
 
 @triton.jit
@@ -215,8 +231,9 @@ def _rot_tile(x_ptr, xrow, tok_ok, had_ptr, col0, W: tl.constexpr, HS: tl.conste
 
 @triton.jit
 def _tq_side(
-    x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, cb_ptr, bnd_ptr, had_ptr, gain_ptr,
-    BITS: tl.constexpr, SCALE_MODE: tl.constexpr, SYM: tl.constexpr, GS: tl.constexpr,
+    x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
+    BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
     NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
@@ -226,6 +243,7 @@ def _tq_side(
     """TurboQuant side by Hadamard tiles: the first block is G0 tiles of width W (G0 in 1, 2, 4,
     joined by butterflies), then up to NT - G0 more blocks of one tile each (offset Oi, width Wi);
     SCi = 1 / sqrt(block size). ||x||^2 comes from the tiles: sum over tiles of ||z||^2 / width.
+    Rotated coordinates are y = (butterflied z) * (rn * SCi), quantized by `_tq_lookup`.
 
     SEARCH: the gain-search encoder. For each of the NGAIN gains at gain_ptr (1 first) the rows'
     <y, c> and ||c||^2 of the candidate indices (nearest centroids of gain * y) are summed over the
@@ -251,108 +269,116 @@ def _tq_side(
         ss += s6 * (1.0 / W3)
     n = tl.sqrt(ss)
     rn = 1.0 / tl.maximum(n, 1e-30)
-    # the rotated unit vector's tiles: ya.. (first block, columns 0, W, 2W, 3W), yt1.. (other blocks)
-    f = (rn * SC0)[:, None]
+    # the first block's butterflied tiles za.. (columns 0, W, 2W, 3W); y = za * f0, and so on
     if G0 == 1:
-        ya = z0 * f
+        za = z0
     elif G0 == 2:
-        ya = (z0 + z1) * f
-        yb = (z0 - z1) * f
+        za = z0 + z1
+        zb = z0 - z1
     else:
         # H_4 over the tile index (Sylvester): rows ++++, +-+-, ++--, +--+
         a = z0 + z1
         b = z0 - z1
         c = z2 + z3
         e = z2 - z3
-        ya = (a + c) * f
-        yb = (b + e) * f
-        yc = (a - c) * f
-        yd = (b - e) * f
-    if NT > G0:
-        yt1 = t1 * (rn * SC1)[:, None]
-    if NT > G0 + 1:
-        yt2 = t2 * (rn * SC2)[:, None]
-    if NT > G0 + 2:
-        yt3 = t3 * (rn * SC3)[:, None]
+        za = a + c
+        zb = b + e
+        zc = a - c
+        zd = b - e
+    f0 = (rn * SC0)[:, None]
+    f1 = (rn * SC1)[:, None]
+    f2 = (rn * SC2)[:, None]
+    f3 = (rn * SC3)[:, None]
     if SEARCH:
+        ya = za * f0
+        if G0 > 1:
+            yb = zb * f0
+        if G0 > 2:
+            yc = zc * f0
+            yd = zd * f0
+        if NT > G0:
+            yt1 = t1 * f1
+        if NT > G0 + 1:
+            yt2 = t2 * f2
+        if NT > G0 + 2:
+            yt3 = t3 * f3
         best_cos = tl.full([BT], float("-inf"), tl.float32)
         best_g = tl.full([BT], 1.0, tl.float32)
         best_dot = tl.zeros([BT], dtype=tl.float32)
         best_cc = tl.zeros([BT], dtype=tl.float32)
         for gi in range(NGAIN):
             g = tl.load(gain_ptr + gi)
-            dot, cc = _tq_gain_stats(ya, g, cb_ptr, bnd_ptr, BITS, SYM)
+            gs = g * CS
+            dot, cc = _tq_gain_stats(ya, g, gs, tab_ptr, NCELL, HALFC)
             if G0 > 1:
-                d1, c1 = _tq_gain_stats(yb, g, cb_ptr, bnd_ptr, BITS, SYM)
+                d1, c1 = _tq_gain_stats(yb, g, gs, tab_ptr, NCELL, HALFC)
                 dot += d1
                 cc += c1
             if G0 > 2:
-                d2, c2 = _tq_gain_stats(yc, g, cb_ptr, bnd_ptr, BITS, SYM)
-                d3, c3 = _tq_gain_stats(yd, g, cb_ptr, bnd_ptr, BITS, SYM)
+                d2, c2 = _tq_gain_stats(yc, g, gs, tab_ptr, NCELL, HALFC)
+                d3, c3 = _tq_gain_stats(yd, g, gs, tab_ptr, NCELL, HALFC)
                 dot += d2 + d3
                 cc += c2 + c3
             if NT > G0:
-                d4, c4 = _tq_gain_stats(yt1, g, cb_ptr, bnd_ptr, BITS, SYM)
+                d4, c4 = _tq_gain_stats(yt1, g, gs, tab_ptr, NCELL, HALFC)
                 dot += d4
                 cc += c4
             if NT > G0 + 1:
-                d5, c5 = _tq_gain_stats(yt2, g, cb_ptr, bnd_ptr, BITS, SYM)
+                d5, c5 = _tq_gain_stats(yt2, g, gs, tab_ptr, NCELL, HALFC)
                 dot += d5
                 cc += c5
             if NT > G0 + 2:
-                d6, c6 = _tq_gain_stats(yt3, g, cb_ptr, bnd_ptr, BITS, SYM)
+                d6, c6 = _tq_gain_stats(yt3, g, gs, tab_ptr, NCELL, HALFC)
                 dot += d6
                 cc += c6
             best_cos, best_g, best_dot, best_cc = _tq_pick(dot, cc, g, best_cos, best_g, best_dot, best_cc)
-        gc = best_g[:, None]
-        _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(ya * gc, bnd_ptr, BITS, SYM), 0, BITS, D, BT, W, GS)
+        g = best_g[:, None]
+        gs = g * CS
+        _tq_pack_gain(ya, g, gs, 0, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W)
         if G0 > 1:
-            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yb * gc, bnd_ptr, BITS, SYM), W, BITS, D, BT, W, GS)
+            _tq_pack_gain(yb, g, gs, W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W)
         if G0 > 2:
-            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yc * gc, bnd_ptr, BITS, SYM), 2 * W, BITS, D, BT, W, GS)
-            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yd * gc, bnd_ptr, BITS, SYM), 3 * W, BITS, D, BT, W, GS)
+            _tq_pack_gain(yc, g, gs, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W)
+            _tq_pack_gain(yd, g, gs, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W)
         if NT > G0:
-            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yt1 * gc, bnd_ptr, BITS, SYM), O1, BITS, D, BT, W1, GS)
+            _tq_pack_gain(yt1, g, gs, O1, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W1)
         if NT > G0 + 1:
-            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yt2 * gc, bnd_ptr, BITS, SYM), O2, BITS, D, BT, W2, GS)
+            _tq_pack_gain(yt2, g, gs, O2, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W2)
         if NT > G0 + 2:
-            _pack_tile(pay_ptr, tokp, tok_ok, _tq_index(yt3 * gc, bnd_ptr, BITS, SYM), O3, BITS, D, BT, W3, GS)
+            _tq_pack_gain(yt3, g, gs, O3, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W3)
         if SCALE_MODE == 1:
             acc = best_cc
         else:
             acc = best_dot
     else:
-        acc = _tq_tile_out(ya, 0, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr, BITS, SCALE_MODE, SYM, GS, D, BT, W)
+        acc = _tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
+                           BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
         if G0 > 1:
-            acc += _tq_tile_out(yb, W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr, BITS, SCALE_MODE, SYM, GS, D, BT, W)
+            acc += _tq_tile_out(zb, f0, f0 * CS, W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
         if G0 > 2:
-            acc += _tq_tile_out(yc, 2 * W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                                BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
-            acc += _tq_tile_out(yd, 3 * W, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                                BITS, SCALE_MODE, SYM, GS, D, BT, W)  # fmt: skip
+            acc += _tq_tile_out(zc, f0, f0 * CS, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+            acc += _tq_tile_out(zd, f0, f0 * CS, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
         if NT > G0:
-            acc += _tq_tile_out(yt1, O1, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                                BITS, SCALE_MODE, SYM, GS, D, BT, W1)  # fmt: skip
+            acc += _tq_tile_out(t1, f1, f1 * CS, O1, pay_ptr, tokp, tok_ok, tab_ptr,
+                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1)  # fmt: skip
         if NT > G0 + 1:
-            acc += _tq_tile_out(yt2, O2, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                                BITS, SCALE_MODE, SYM, GS, D, BT, W2)  # fmt: skip
+            acc += _tq_tile_out(t2, f2, f2 * CS, O2, pay_ptr, tokp, tok_ok, tab_ptr,
+                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2)  # fmt: skip
         if NT > G0 + 2:
-            acc += _tq_tile_out(yt3, O3, pay_ptr, tokp, tok_ok, cb_ptr, bnd_ptr,
-                                BITS, SCALE_MODE, SYM, GS, D, BT, W3)  # fmt: skip
-    if SCALE_MODE == 0:
-        sc = n
-    elif SCALE_MODE == 1:
-        sc = n / tl.maximum(tl.sqrt(acc), 1e-30)
-    else:
-        sc = n / tl.maximum(acc, 1e-30)
-    tl.store(sc_ptr + tokp, tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16), mask=tok_ok)
+            acc += _tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
+                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3)  # fmt: skip
+    _tq_scale_store(n, acc, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
 @triton.jit
 def _store_side(
-    x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, cb_ptr, bnd_ptr, rot_ptr, had_ptr,
+    x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    SYM: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr, NSPLIT: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr,
+    SEARCH: tl.constexpr, NGAIN: tl.constexpr, NSPLIT: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
@@ -361,9 +387,9 @@ def _store_side(
     t = t0 + tl.arange(0, BT)
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
-        _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, cb_ptr, bnd_ptr, had_ptr, gain_ptr,
-                 BITS, SCALE_MODE, SYM, GS, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                 SC0, SC1, SC2, SC3)  # fmt: skip
+        _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
+                 BITS, SCALE_MODE, GS, NCELL, HALFC, CS, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
+                 O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
     else:
         d = tl.arange(0, DP)
         dmask = d < D
@@ -413,7 +439,7 @@ def _store_side(
                             rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0
                         )
                         y = tl.dot(u, rt, input_precision="ieee")
-                        cv = tl.load(cb_ptr + _tq_index(y * g, bnd_ptr, BITS, SYM))
+                        _, cv = _tq_lookup(y * g, y * (g * CS), tab_ptr, NCELL, HALFC, True)
                         jm = (j < D)[None, :]
                         dot += tl.sum(tl.where(jm, y * cv, 0.0), 1)
                         cc += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
@@ -426,32 +452,26 @@ def _store_side(
                 rt = tl.load(rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0)
                 y = tl.dot(u, rt, input_precision="ieee")
                 if SEARCH:
-                    idx = _tq_index(y * gc[:, None], bnd_ptr, BITS, SYM)
+                    idx, cv = _tq_lookup(y * gc[:, None], y * (gc * CS)[:, None], tab_ptr, NCELL, HALFC, True)
                 else:
-                    idx = _tq_index(y, bnd_ptr, BITS, SYM)
-                cv = tl.load(cb_ptr + idx)
+                    idx, cv = _tq_lookup(y, y * CS, tab_ptr, NCELL, HALFC, True)
                 jm = (j < D)[None, :]
                 cnorm2 += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
                 ydotc += tl.sum(tl.where(jm, y * cv, 0.0), 1)
                 _pack_tile(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C, GS)
-            if SCALE_MODE == 0:
-                sc = n
-            elif SCALE_MODE == 1:
-                sc = n / tl.maximum(tl.sqrt(cnorm2), 1e-30)
-            else:
-                sc = n / tl.maximum(ydotc, 1e-30)
-            tl.store(sc_ptr + tokp, tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16), mask=tok_ok)
+            _tq_scale_store(n, cnorm2 if SCALE_MODE == 1 else ydotc, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, stride_kt, stride_vt, slot_ptr, T,
-    kpay_ptr, ksc_ptr, kzr_ptr, kcb_ptr, kbnd_ptr,
-    vpay_ptr, vsc_ptr, vzr_ptr, vcb_ptr, vbnd_ptr, rot_ptr, had_ptr, gain_ptr,
+    kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
     HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
+    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr,
     VMODE: tl.constexpr, VBITS: tl.constexpr, VGS: tl.constexpr,
-    SCALE_MODE: tl.constexpr, SYM: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
+    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
@@ -464,12 +484,44 @@ def _store_kv_kernel(
     # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
-    _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, kcb_ptr, kbnd_ptr, rot_ptr,
-                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, SYM, SEARCH, NGAIN, NSPLIT, D, DP, BT, C,
-                W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
-    _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vcb_ptr, vbnd_ptr, rot_ptr,
-                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, SYM, SEARCH, NGAIN, NSPLIT, D, DP, BT, C,
-                W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+    _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
+                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, SEARCH, NGAIN,
+                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+    _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
+                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, SEARCH, NGAIN,
+                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+
+
+def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
+    """`_tq_lookup`'s table for centroids cb [L] and ascending boundaries bnd [L - 1] (float32):
+    (int64 table [2 * NCELL], NCELL, HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
+    CS * y in [k - HALFC - 1/2, k - HALFC + 1/2). CS is picked so that every cell holds at most
+    one boundary and none lies within `margin` of a cell edge (so y * CS may be computed with a
+    few ulps of error), and the cells span |y| <= 1.01 (unit vectors, rounding included)."""
+    b64 = bnd.double().cpu()
+    gap = float((b64[1:] - b64[:-1]).min()) if b64.numel() > 1 else 1.0
+    span = max(1.01, float(b64.abs().max()) * 1.01)
+    for i in range(400):
+        cs = float(torch.tensor((1.0 + margin * 4 + 0.01 * i) / gap, dtype=torch.float32))
+        v = b64 * cs
+        if bool(((v - v.round()).abs() <= 0.5 - margin).all()):
+            break
+    else:  # pragma: no cover - 400 tries never all fail for Lloyd-Max boundaries
+        raise ValueError("no cell width separates these boundaries")
+    halfc = math.ceil(span * cs) + 1
+    ncell = 2 * halfc + 1
+    cell_of = (b64 * cs).round().long() + halfc  # each boundary's cell (distinct: cs > 1 / gap)
+    assert cell_of.unique().numel() == cell_of.numel() and 0 < int(cell_of.min()) and int(cell_of.max()) < ncell - 1
+    bits32 = bnd.float().cpu().view(torch.int32).long() & 0xFFFFFFFF
+    cbits = cb.float().cpu().view(torch.int32).long() & 0xFFFFFFFF
+    k = torch.arange(ncell)
+    base = torch.searchsorted(cell_of, k)  # boundaries in cells below k
+    own = torch.full((ncell,), 0x7F800000, dtype=torch.long)  # +inf: no boundary in this cell
+    own[cell_of] = bits32
+    lo = cbits[base]
+    hi = cbits[(base + 1).clamp_max(cb.numel() - 1)]
+    tab = torch.cat([(base << 32) | own, (hi << 32) | lo])
+    return tab, ncell, halfc, cs
 
 
 def _tile_plan(blocks: list[int], wmax: int) -> tuple | None:
@@ -525,12 +577,11 @@ class StorePlan:
         self.gains: torch.Tensor | None = None
         self.rot = self.tiles = None
         self.had: dict[torch.dtype, torch.Tensor] = {}
-        self.sym = True
-        self.sides = []  # per side: (mode, bits, payload name, scale name, zero name, codebook, boundaries)
+        self.sides = []  # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS))
         if isinstance(fmt, ExactFormat):
             self.sides = [
-                (EXACT, 16, "k", None, None, None, None),
-                (EXACT, 16, "v", None, None, None, None),
+                (EXACT, 16, "k", None, None, None),
+                (EXACT, 16, "v", None, None, None),
             ]
             self.group = [None, None]
             return
@@ -545,9 +596,8 @@ class StorePlan:
                     raise NotImplementedError(f"no store kernel for TurboQuant scale mode {codec.scale_mode!r}")
                 if search and base == "plain":
                     raise ValueError("the gain search needs a scale fitted to the indices (nc or unbiased), not plain")
-                cb, bnd = tq_codebook(codec.bits, d, device)
-                half = 1 << (codec.bits - 1)
-                self.sym &= bool(torch.equal(bnd[half:], -bnd[: half - 1].flip(0)))
+                tab, ncell, halfc, cs = _cell_table(*tq_codebook(codec.bits, d))
+                table = (tab.to(device), ncell, halfc, cs)
                 rot = codec.rotation
                 tiles = None
                 if type(rot) is Rotation and rot.blocks == hadamard_blocks(d):
@@ -560,16 +610,16 @@ class StorePlan:
                 else:
                     self.rot = rot.matrix.to(device=device, dtype=torch.float32).contiguous()
                     mode = TQ_DENSE
-                self.sides.append((mode, codec.bits, f"{side}_idx", f"{side}_scale", None, cb, bnd))
+                self.sides.append((mode, codec.bits, f"{side}_idx", f"{side}_scale", None, table))
                 modes.add((SCALE_MODES[base], search))
             elif isinstance(codec, MinMaxCodec):
-                self.sides.append((MINMAX, codec.bits, f"{side}_idx", f"{side}_scale", f"{side}_zero", None, None))
+                self.sides.append((MINMAX, codec.bits, f"{side}_idx", f"{side}_scale", f"{side}_zero", None))
             elif isinstance(codec, Fp8ScaledCodec):
-                self.sides.append((FP8_SCALED, 8, f"{side}_q", f"{side}_scale", None, None, None))
+                self.sides.append((FP8_SCALED, 8, f"{side}_q", f"{side}_scale", None, None))
             elif isinstance(codec, Fp8CastCodec):
-                self.sides.append((FP8_CAST, 8, f"{side}_q", None, None, None, None))
+                self.sides.append((FP8_CAST, 8, f"{side}_q", None, None, None))
             elif isinstance(codec, ExactCodec):
-                self.sides.append((EXACT, 16, f"{side}_x", None, None, None, None))
+                self.sides.append((EXACT, 16, f"{side}_x", None, None, None))
             else:
                 raise NotImplementedError(f"no store kernel for codec {type(codec).__name__}")
         if len(modes) > 1:
@@ -635,12 +685,13 @@ def store_kv(
     bt, warps = _launch_shape(plan)
     bt, warps = block_tokens or bt, num_warps or warps
     args = []
-    for (_mode, bits, pay, sc, zr, cb, bnd), gs in zip(plan.sides, plan.group):
+    cells = []
+    for (_mode, bits, pay, sc, zr, table), gs in zip(plan.sides, plan.group):
         p = pages[pay]
         if gs is not None:
             p = p.view(WORD_DTYPES[bits if gs == 0 else gs // 8])
-        args += [p, pages[sc] if sc else p, pages[zr] if zr else p]
-        args += [cb if cb is not None else p, bnd if bnd is not None else p]
+        args += [p, pages[sc] if sc else p, pages[zr] if zr else p, table[0] if table else p]
+        cells.append(table[1:] if table else (1, 0, 1.0))
     if plan.tiles is not None:
         w, g0, nt, rest = plan.tiles
         rest = rest + [(0, 16, 1.0)] * (3 - len(rest))
@@ -657,8 +708,9 @@ def store_kv(
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
         HKV=hkv, BS=bs, D=d, DP=dp, BT=bt, C=min(dp, 64),
-        KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, VMODE=vm, VBITS=vb, VGS=plan.group[1] or 0,
-        SCALE_MODE=plan.scale_mode, SYM=plan.sym, SEARCH=plan.search,
+        KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, KNCELL=cells[0][0], KHALFC=cells[0][1], KCS=cells[0][2],
+        VMODE=vm, VBITS=vb, VGS=plan.group[1] or 0, VNCELL=cells[1][0], VHALFC=cells[1][1], VCS=cells[1][2],
+        SCALE_MODE=plan.scale_mode, SEARCH=plan.search,
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], SC0=1.0 / math.sqrt(w * g0), SC1=rest[0][2], SC2=rest[1][2],
