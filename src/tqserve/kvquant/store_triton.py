@@ -56,6 +56,19 @@ def _fp16_round(x):
 
 
 @triton.jit
+def _group_bits(gk, K: tl.constexpr, WD: tl.constexpr, BITS: tl.constexpr):
+    """The bits of group K (stream bits [8 * BITS * K, 8 * BITS * (K + 1))) that fall in 32-bit word
+    WD, shifted into place (0 where none do)."""
+    SH: tl.constexpr = 8 * BITS * K - 32 * WD
+    if SH >= 32 or SH <= -8 * BITS:
+        return tl.zeros_like(gk)
+    elif SH >= 0:
+        return gk << SH
+    else:
+        return gk >> (-SH)
+
+
+@triton.jit
 def _pack_tile(
     pay_ptr,
     tokp,
@@ -82,6 +95,24 @@ def _pack_tile(
         w = tl.sum(i3 << (tl.arange(0, 8) * BITS)[None, None, :], 2)
         m = tok_ok[:, None] & (g[None, :] < D // 8)
         tl.store(pay_ptr + tokp[:, None] * (D // 8) + g[None, :], w.to(pay_ptr.dtype.element_ty), mask=m)
+    elif GS == 32:
+        # 8 indices -> one 8b-bit group (int64 when 8b > 32), 4 groups -> b words (the groups'
+        # bit ranges [8bk, 8bk + 8b) cut at word edges 32w): 1-2 ops per index instead of b
+        NW: tl.constexpr = W // 32
+        g = col0 // 32 + tl.arange(0, NW)
+        m = tok_ok[:, None] & (g[None, :] < D // 32)
+        base = pay_ptr + tokp[:, None] * (D * BITS // 32) + g[None, :] * BITS
+        i4 = tl.reshape(idx, (BT, NW, 4, 8))
+        if 8 * BITS > 32:
+            i4 = i4.to(tl.int64)
+        gv = tl.sum(i4 << (tl.arange(0, 8) * BITS)[None, None, None, :], 3)
+        ev, od = tl.split(tl.reshape(gv, (BT, NW, 2, 2)))
+        g0, g2 = tl.split(ev)
+        g1, g3 = tl.split(od)
+        for w in tl.static_range(BITS):
+            word = _group_bits(g0, 0, w, BITS) | _group_bits(g1, 1, w, BITS)
+            word = word | _group_bits(g2, 2, w, BITS) | _group_bits(g3, 3, w, BITS)
+            tl.store(base + w, word.to(tl.int32).to(pay_ptr.dtype.element_ty), mask=m)
     else:
         NG: tl.constexpr = W // GS
         i3 = tl.reshape(idx, (BT, NG, GS))
