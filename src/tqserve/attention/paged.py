@@ -355,6 +355,7 @@ def _paged_attn_kernel(
     NPART: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,  # "ieee" for float32 queries (no TF32 rounding of a float32 model's attention)
     PAIRS: tl.constexpr = True,  # codebook tiles through the pair table (else kcb/vcb are the codebooks)
     INTS: tl.constexpr = True,  # min-max tiles as fp16 1024 + idx
     F16J: tl.constexpr = False,  # join decoded halves as fp16 (else as int32)
@@ -449,7 +450,7 @@ def _paged_attn_kernel(
 
         # ---- scores against what the page stores
         if KEY_MODE == 0:
-            s = tl.dot(qv, tl.trans(kr.to(dot_t)))
+            s = tl.dot(qv, tl.trans(kr.to(dot_t)), input_precision=PREC)
             if KEY_SCALED:
                 s = s * ksc[None, :]
         else:
@@ -457,7 +458,7 @@ def _paged_attn_kernel(
                 kc = _pairs(kr, kcb_ptr, KEY_BITS, DP, BLOCK_N, F16J)
             else:
                 kc = tl.load(kcb_ptr + _indices(kr, KEY_BITS, DP, BLOCK_N))
-            s = tl.dot(qv, tl.trans(kc.to(pk_t)))
+            s = tl.dot(qv, tl.trans(kc.to(pk_t)), input_precision=PREC)
             s = s * ksc[None, :]
 
         if HAS_EXACT:
@@ -472,7 +473,7 @@ def _paged_attn_kernel(
                     kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, dmask, ctx, q_start, stride_knt,
                     seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
                 )  # fmt: skip
-                sx = tl.dot(qx, tl.trans(kx.to(dot_t)))
+                sx = tl.dot(qx, tl.trans(kx.to(dot_t)), input_precision=PREC)
                 s = tl.where(ex, sx, s)
 
         valid = row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
@@ -505,21 +506,21 @@ def _paged_attn_kernel(
                 )  # fmt: skip
                 pe = tl.where(ex, p, 0.0)
                 if NPART == 2:
-                    accx += tl.dot(pe.to(dot_t), vx.to(dot_t))
+                    accx += tl.dot(pe.to(dot_t), vx.to(dot_t), input_precision=PREC)
                 else:
-                    acc += tl.dot(pe.to(dot_t), vx.to(dot_t))
+                    acc += tl.dot(pe.to(dot_t), vx.to(dot_t), input_precision=PREC)
                 pp = tl.where(ex, 0.0, p)
         if VAL_MODE == 0:
             if VAL_SCALED:
                 pp = pp * vsc[None, :]
-            acc += tl.dot(pp.to(dot_t), vr.to(dot_t))
+            acc += tl.dot(pp.to(dot_t), vr.to(dot_t), input_precision=PREC)
         elif VAL_MODE == 1:
             if PAIRS and VAL_BITS <= 4:
                 vc = _pairs(vr, vcb_ptr, VAL_BITS, DP, BLOCK_N, F16J)
             else:
                 vc = tl.load(vcb_ptr + _indices(vr, VAL_BITS, DP, BLOCK_N))
             pp = pp * vsc[None, :]
-            acc += tl.dot(pp.to(pk_t), vc.to(pk_t))
+            acc += tl.dot(pp.to(pk_t), vc.to(pk_t), input_precision=PREC)
         elif INTS and VAL_BITS <= 4:
             # v = zero + h * scale + (idx - h) * scale with the integer h = (2^b - 1) // 2: the tile
             # is built as fp16 1024 + idx from the index bits (no int -> float conversion) and centred
@@ -527,14 +528,14 @@ def _paged_attn_kernel(
             # subtracting 1024 * sum(p * s) afterwards failed on the GPU: 0.6 relative error.)
             HI: tl.constexpr = ((1 << VAL_BITS) - 1) // 2
             vcen = _ints(vr, VAL_BITS, DP, BLOCK_N, F16J) - (1024.0 + HI)
-            acc += tl.dot((pp * vsc[None, :]).to(pk_t), vcen.to(pk_t))
+            acc += tl.dot((pp * vsc[None, :]).to(pk_t), vcen.to(pk_t), input_precision=PREC)
             acc += tl.sum(pp * (vze + HI * vsc)[None, :], 1)[:, None]
         else:  # other min-max values
             vidx = _indices(vr, VAL_BITS, DP, BLOCK_N)
             # v = zero + idx * scale = (zero + h * scale) + (idx - h) * scale with h = (2^b - 1) / 2:
             # centred indices avoid cancelling two large terms after the low-precision dot.
             HALF: tl.constexpr = ((1 << VAL_BITS) - 1) * 0.5
-            acc += tl.dot((pp * vsc[None, :]).to(pk_t), (vidx.to(tl.float32) - HALF).to(pk_t))
+            acc += tl.dot((pp * vsc[None, :]).to(pk_t), (vidx.to(tl.float32) - HALF).to(pk_t), input_precision=PREC)
             acc += tl.sum(pp * (vze + HALF * vsc)[None, :], 1)[:, None]
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -690,7 +691,8 @@ def paged_attention(
         KEY_MODE=layout.key_mode, KEY_BITS=layout.key_bits, KEY_SCALED=layout.key_scaled,
         VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, VAL_SCALED=layout.val_scaled,
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
-        DOT_F32=_interpreting() or q.dtype == torch.float32, PAIRS=pairs, INTS=ints,
+        DOT_F32=_interpreting() or q.dtype == torch.float32, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PAIRS=pairs, INTS=ints,
         F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if _interpreting() else LAUNCH_OPTS),
     )  # fmt: skip
