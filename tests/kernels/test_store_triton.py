@@ -147,6 +147,39 @@ def test_store_search_dense_rotation(preset):
     _compare(preset, 2, 64, 21, seed=5, wmax=8)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("d", [16, 64, 80, 128, 256])
+def test_cell_table_matches_bucketize(bits, d):
+    """`_tq_lookup`'s table, emulated in torch: index = base + (y > own boundary) over the cell of
+    round(y * CS), with y * CS off by a few ulps (as the kernel forms it from z * (f * CS)), equals
+    torch.bucketize (the reference) and picks c[index], on random y and on y one float either side
+    of every boundary."""
+    from tqserve.kvquant.reference import tq_codebook
+    from tqserve.kvquant.store_triton import _cell_table
+
+    cb, bnd = tq_codebook(bits, d)
+    tab, ncell, halfc, cs = _cell_table(cb, bnd)
+    gen = torch.Generator().manual_seed(bits * 1000 + d)
+    y = torch.cat(
+        [
+            torch.randn(200_000, generator=gen) / d**0.5,
+            torch.rand(20_000, generator=gen) * 2.02 - 1.01,
+            bnd,
+            torch.nextafter(bnd, torch.tensor(-1.0)),
+            torch.nextafter(bnd, torch.tensor(1.0)),
+            torch.tensor([0.0, -0.0, 1.0, -1.0, 1.01, -1.01]),
+        ]
+    ).float()
+    want = torch.bucketize(y, bnd)
+    for wobble in (1.0, 1.0 + 2.0**-21, 1.0 - 2.0**-21):
+        yc = (y * (cs * wobble)).double()
+        e = tab.view(ncell, 4)[(yc.round().long() + halfc).clamp(0, ncell - 1)]  # [own p, base, c_lo, c_hi]
+        up = y > e[:, 0].view(torch.float32)
+        idx = e[:, 1] + up.int()
+        assert torch.equal(idx.long(), want), f"{int((idx != want).sum())} indices differ"
+        assert torch.equal(torch.where(up, e[:, 3], e[:, 2]).view(torch.float32), cb[want])
+
+
 def _backend_two_steps(preset, hq, hkv, d, steps, seed, tol=1e-2):
     """The attention kernel reads what the store kernel wrote (see `backend_step_errors`)."""
     errs = backend_step_errors(preset, hq, hkv, d, steps, seed, seed, DEV)

@@ -45,7 +45,7 @@ SCALE_MODES = {"plain": 0, "nc": 1, "unbiased": 2}
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
 WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-# table gathers through inline PTX on the GPU (`_ld_cell`); the CPU interpreter runs no PTX
+# TurboQuant table lookups through inline PTX on the GPU (`_tq_lookup`); the interpreter runs no PTX
 _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
@@ -130,43 +130,54 @@ def _pack_tile(
 
 
 @triton.jit
-def _ld_cell(tab_ptr, cell, ASM: tl.constexpr):
-    """tab_ptr[cell] (int64 entries). ASM: through inline PTX, an elementwise op in the layout the
-    indices already have (a `tl.load` gather makes Triton move the 64-bit pointer tensor from the
-    MMA layout to a blocked one through shared memory, and the result back); the interpreter,
-    which runs no PTX, takes the load."""
-    if ASM:
-        addr = tab_ptr.to(tl.int64) + cell.to(tl.int64) * 8
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.b64 $0, [$1];", "=l,l", [addr], dtype=tl.int64, is_pure=True, pack=1
-        )
-    else:
-        return tl.load(tab_ptr + cell)
-
-
-@triton.jit
-def _tq_lookup(y, yc, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, CENT: tl.constexpr):
+def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     """(#{boundaries < y}, its centroid) per element of rotated coordinates y, by one table lookup.
 
-    yc is y * CS (cells per unit of y) to within a few float ulps (z * (f * CS) will do): its
-    nearest integer picks a table cell (t = yc + 1.5 * 2^23 holds it in its low mantissa bits).
-    `_cell_table` puts at most one boundary p in each cell and none within 5% of a cell edge, so
-    the rounding of yc never changes the count; the count itself is exact in y: the cells below
-    y's hold `base` boundaries, and y > p adds the cell's own. A cell entry is one int64
-    (base << 32 | bits of p, +inf where the cell has none); with CENT, a second one at
-    NCELL + cell holds (c[base + 1] << 32 | c[base]). |y| <= 1.01 stays inside the table; the
-    unsigned clamp keeps NaN or out-of-range rows inside it too."""
-    t = yc + 12582912.0
-    cell = (t.to(tl.int32, bitcast=True) - (0x4B400000 - HALFC)).to(tl.uint32, bitcast=True)
-    cell = tl.minimum(cell, NCELL - 1)
-    e = _ld_cell(tab_ptr, cell, _ASM)
-    up = y > e.to(tl.int32).to(tl.float32, bitcast=True)
-    idx = (e >> 32).to(tl.int32) + up.to(tl.int32)
-    if CENT:
-        ce = _ld_cell(tab_ptr, cell + NCELL, _ASM)
-        cv = tl.where(up, (ce >> 32).to(tl.int32), ce.to(tl.int32)).to(tl.float32, bitcast=True)
+    a * b is y * CS (cells per unit of y) to within a few float ulps (z * (f * CS) will do): its
+    nearest integer picks a table cell (t = a * b + 1.5 * 2^23, one fma, holds it in its low
+    mantissa bits). `_cell_table` puts at most one boundary p in each cell and none within 5% of
+    a cell edge, so the rounding of a * b never changes the count; the count itself is exact in
+    y: the cells below y's hold `base` boundaries, and y > p adds the cell's own. A cell entry is
+    four int32 (bits of p, +inf where the cell has none; base; bits of c[base]; of c[base + 1]).
+    |y| <= 1.01 stays inside the table; the unsigned clamp keeps NaN or out-of-range rows in it.
+
+    On the GPU the lookup is one inline-PTX block (one 16-byte load per element, its address by
+    one wide multiply-add), an elementwise op in whatever layout y has: a `tl.load` gather made
+    Triton move 64-bit pointer tensors from the MMA layout to a blocked one through shared memory
+    and the results back. The interpreter, which runs no PTX, takes the same steps in Triton."""
+    b = tl.zeros_like(y) + b  # a column or a scalar: the asm takes whole tiles
+    if _ASM:
+        z32 = tl.zeros(y.shape, dtype=tl.int32)
+        idx, cv = tl.inline_asm_elementwise(
+            """{
+            .reg .f32 t;
+            .reg .b32 c, pb, bs, lo, hi;
+            .reg .b64 ad;
+            .reg .pred p;
+            fma.rn.f32 t, $3, $4, 0f4B400000;
+            mov.b32 c, t;
+            sub.s32 c, c, $6;
+            min.u32 c, c, $7;
+            mad.wide.u32 ad, c, 16, $5;
+            ld.global.nc.v4.b32 {pb, bs, lo, hi}, [ad];
+            setp.gt.f32 p, $2, pb;
+            selp.b32 $1, hi, lo, p;
+            selp.b32 c, 1, 0, p;
+            add.s32 $0, bs, c;
+            }""",
+            "=r,=r,r,r,r,l,r,r",
+            [y, a, b, z32.to(tl.int64) + tab_ptr.to(tl.int64), z32 + (0x4B400000 - HALFC), z32 + (NCELL - 1)],
+            dtype=(tl.int32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
     else:
-        cv = y
+        t = a * b + 12582912.0
+        cell = (t.to(tl.int32, bitcast=True) - (0x4B400000 - HALFC)).to(tl.uint32, bitcast=True)
+        cell = tl.minimum(cell, NCELL - 1).to(tl.int32) * 4
+        up = y > tl.load(tab_ptr + cell).to(tl.float32, bitcast=True)
+        idx = tl.load(tab_ptr + cell + 1) + up.to(tl.int32)
+        cv = tl.where(up, tl.load(tab_ptr + cell + 3), tl.load(tab_ptr + cell + 2)).to(tl.float32, bitcast=True)
     return idx, cv
 
 
@@ -179,7 +190,7 @@ def _tq_tile_out(
     """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (f, fc = f * CS:
     [BT, 1] columns); return the rows' share of ||c||^2 (nc) or <y, c> (unbiased)."""
     y = z * f
-    idx, cv = _tq_lookup(y, z * fc, tab_ptr, NCELL, HALFC, SCALE_MODE != 0)
+    idx, cv = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     if SCALE_MODE == 0:
         part = tl.zeros([BT], dtype=tl.float32)
@@ -194,7 +205,7 @@ def _tq_tile_out(
 def _tq_gain_stats(y, g, gc, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     """Rows' <y, c> and ||c||^2 over this tile for c = c[nearest-centroid indices of g * y] (the
     gain-search candidate of gain g; gc = g * CS)."""
-    _, cv = _tq_lookup(y * g, y * gc, tab_ptr, NCELL, HALFC, True)
+    _, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC)
     return tl.sum(y * cv, 1), tl.sum(cv * cv, 1)
 
 
@@ -203,7 +214,7 @@ def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
                   BITS: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
                   D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):  # fmt: skip
     """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1])."""
-    idx, _ = _tq_lookup(y * g, y * gc, tab_ptr, NCELL, HALFC, False)
+    idx, _ = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
 
 
@@ -470,7 +481,7 @@ def _store_side(
                             rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0
                         )
                         y = tl.dot(u, rt, input_precision="ieee")
-                        _, cv = _tq_lookup(y * g, y * (g * CS), tab_ptr, NCELL, HALFC, True)
+                        _, cv = _tq_lookup(y * g, y, g * CS, tab_ptr, NCELL, HALFC)
                         jm = (j < D)[None, :]
                         dot += tl.sum(tl.where(jm, y * cv, 0.0), 1)
                         cc += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
@@ -483,9 +494,9 @@ def _store_side(
                 rt = tl.load(rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0)
                 y = tl.dot(u, rt, input_precision="ieee")
                 if SEARCH:
-                    idx, cv = _tq_lookup(y * gc[:, None], y * (gc * CS)[:, None], tab_ptr, NCELL, HALFC, True)
+                    idx, cv = _tq_lookup(y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC)
                 else:
-                    idx, cv = _tq_lookup(y, y * CS, tab_ptr, NCELL, HALFC, True)
+                    idx, cv = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC)
                 jm = (j < D)[None, :]
                 cnorm2 += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
                 ydotc += tl.sum(tl.where(jm, y * cv, 0.0), 1)
@@ -525,7 +536,7 @@ def _store_kv_kernel(
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
     """`_tq_lookup`'s table for centroids cb [L] and ascending boundaries bnd [L - 1] (float32):
-    (int64 table [2 * NCELL], NCELL, HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
+    (int32 table [NCELL, 4] flat, NCELL, HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
     CS * y in [k - HALFC - 1/2, k - HALFC + 1/2). CS is picked so that every cell holds at most
     one boundary and none lies within `margin` of a cell edge (so y * CS may be computed with a
     few ulps of error), and the cells span |y| <= 1.01 (unit vectors, rounding included)."""
@@ -551,7 +562,7 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     own[cell_of] = bits32
     lo = cbits[base]
     hi = cbits[(base + 1).clamp_max(cb.numel() - 1)]
-    tab = torch.cat([(base << 32) | own, (hi << 32) | lo])
+    tab = torch.stack([own, base, lo, hi], 1).to(torch.uint32).view(torch.int32).flatten()
     return tab, ncell, halfc, cs
 
 
