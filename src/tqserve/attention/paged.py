@@ -629,6 +629,12 @@ def paged_attention(
     q [T, Hq, d]; k_new, v_new [T, Hkv, d] (exact, for the window rule). Returns [T, Hq, d] in q's
     dtype. Rows past `meta.num_tokens` (graph padding) are zeroed.
     """
+    # ---- extend steps over packed pages: the dedicated many-rows kernel (attention/paged_extend.py)
+    if meta.max_query_len > 16 and layout.packed:
+        from tqserve.attention.paged_extend import extend_attention
+
+        return extend_attention(q, k_new, v_new, pages, layout, meta, scale, ring, sinks, out, num_splits)
+    # ---- end of the extend branch
     T, hq, d = q.shape
     hkv = k_new.shape[1]
     group = hq // hkv
