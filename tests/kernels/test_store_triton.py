@@ -173,11 +173,13 @@ def test_cell_table_matches_bucketize(bits, d):
     want = torch.bucketize(y, bnd)
     for wobble in (1.0, 1.0 + 2.0**-21, 1.0 - 2.0**-21):
         yc = (y * (cs * wobble)).double()
-        e = tab.view(ncell, 4)[(yc.round().long() + halfc).clamp(0, ncell - 1)]  # [own p, base, c_lo, c_hi]
+        # entry: [own boundary, base, c[base], c[base] ^ c[base + 1]] as int32 bits
+        e = tab.view(ncell, 4)[(yc.round().long() + halfc).clamp(0, ncell - 1)]
         up = y > e[:, 0].view(torch.float32)
         idx = e[:, 1] + up.int()
         assert torch.equal(idx.long(), want), f"{int((idx != want).sum())} indices differ"
-        assert torch.equal(torch.where(up, e[:, 3], e[:, 2]).view(torch.float32), cb[want])
+        cv = (e[:, 2] ^ torch.where(up, e[:, 3], 0)).view(torch.float32)
+        assert torch.equal(cv, cb[want])
 
 
 def _backend_two_steps(preset, hq, hkv, d, steps, seed, tol=1e-2):

@@ -138,7 +138,8 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     mantissa bits). `_cell_table` puts at most one boundary p in each cell and none within 5% of
     a cell edge, so the rounding of a * b never changes the count; the count itself is exact in
     y: the cells below y's hold `base` boundaries, and y > p adds the cell's own. A cell entry is
-    four int32 (bits of p, +inf where the cell has none; base; bits of c[base]; of c[base + 1]).
+    four int32 (bits of p, +inf where the cell has none; base; bits of c[base]; those xor the bits
+    of c[base + 1]).
     |y| <= 1.01 stays inside the table; the unsigned clamp keeps NaN or out-of-range rows in it.
 
     On the GPU the lookup is one inline-PTX block (one 16-byte load per element, its address by
@@ -150,20 +151,19 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
         z32 = tl.zeros(y.shape, dtype=tl.int32)
         idx, cv = tl.inline_asm_elementwise(
             """{
-            .reg .f32 t;
-            .reg .b32 c, pb, bs, lo, hi;
+            .reg .f32 t, pb;
+            .reg .b32 c, m, bs, lo, dx;
             .reg .b64 ad;
-            .reg .pred p;
             fma.rn.f32 t, $3, $4, 0f4B400000;
             mov.b32 c, t;
             sub.s32 c, c, $6;
             min.u32 c, c, $7;
             mad.wide.u32 ad, c, 16, $5;
-            ld.global.nc.v4.b32 {pb, bs, lo, hi}, [ad];
-            setp.gt.f32 p, $2, pb;
-            selp.b32 $1, hi, lo, p;
-            selp.b32 c, 1, 0, p;
-            add.s32 $0, bs, c;
+            ld.global.nc.v4.b32 {pb, bs, lo, dx}, [ad];
+            set.gt.u32.f32 m, $2, pb;
+            sub.s32 $0, bs, m;
+            and.b32 dx, dx, m;
+            xor.b32 $1, lo, dx;
             }""",
             "=r,=r,r,r,r,l,r,r",
             [y, a, b, z32.to(tl.int64) + tab_ptr.to(tl.int64), z32 + (0x4B400000 - HALFC), z32 + (NCELL - 1)],
@@ -177,7 +177,8 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
         cell = tl.minimum(cell, NCELL - 1).to(tl.int32) * 4
         up = y > tl.load(tab_ptr + cell).to(tl.float32, bitcast=True)
         idx = tl.load(tab_ptr + cell + 1) + up.to(tl.int32)
-        cv = tl.where(up, tl.load(tab_ptr + cell + 3), tl.load(tab_ptr + cell + 2)).to(tl.float32, bitcast=True)
+        lo = tl.load(tab_ptr + cell + 2)
+        cv = (lo ^ tl.where(up, tl.load(tab_ptr + cell + 3), 0)).to(tl.float32, bitcast=True)
     return idx, cv
 
 
@@ -436,7 +437,8 @@ def _store_side(
         d = tl.arange(0, DP)
         dmask = d < D
         m2 = tok_ok[:, None] & dmask[None, :]
-        x = tl.load(x_ptr + xrow[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        xr = tl.load(x_ptr + xrow[:, None] + d[None, :], mask=m2, other=0.0)
+        x = xr.to(tl.float32)
         if MODE == 0:
             tl.store(pay_ptr + tokp[:, None] * D + d[None, :], x.to(pay_ptr.dtype.element_ty), mask=m2)
         elif MODE == 3:
@@ -450,8 +452,9 @@ def _store_side(
             tl.store(pay_ptr + tokp[:, None] * D + d[None, :], q.to(pay_ptr.dtype.element_ty), mask=m2)
         elif MODE == 2:
             LEVELS: tl.constexpr = (1 << BITS) - 1
-            lo = tl.min(tl.where(dmask[None, :], x, float("inf")), 1)
-            hi = tl.max(tl.where(dmask[None, :], x, float("-inf")), 1)
+            # row min / max in the input dtype (exact; two bf16 / fp16 lanes per instruction)
+            lo = tl.min(tl.where(dmask[None, :], xr, float("inf")), 1).to(tl.float32)
+            hi = tl.max(tl.where(dmask[None, :], xr, float("-inf")), 1).to(tl.float32)
             zero = _fp16_round(lo)
             sc = _fp16_round(tl.maximum((hi - zero) / LEVELS, 5.960464477539063e-08))
             tq = (x - zero[:, None]) / sc[:, None]
@@ -536,7 +539,8 @@ def _store_kv_kernel(
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
     """`_tq_lookup`'s table for centroids cb [L] and ascending boundaries bnd [L - 1] (float32):
-    (int32 table [NCELL, 4] flat, NCELL, HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
+    (int32 table [NCELL, 4] flat: own boundary, base, c[base], c[base] ^ c[base + 1] as bits; NCELL,
+    HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
     CS * y in [k - HALFC - 1/2, k - HALFC + 1/2). CS is picked so that every cell holds at most
     one boundary and none lies within `margin` of a cell edge (so y * CS may be computed with a
     few ulps of error), and the cells span |y| <= 1.01 (unit vectors, rounding included)."""
@@ -562,7 +566,7 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     own[cell_of] = bits32
     lo = cbits[base]
     hi = cbits[(base + 1).clamp_max(cb.numel() - 1)]
-    tab = torch.stack([own, base, lo, hi], 1).to(torch.uint32).view(torch.int32).flatten()
+    tab = torch.stack([own, base, lo, lo ^ hi], 1).to(torch.uint32).view(torch.int32).flatten()
     return tab, ncell, halfc, cs
 
 
