@@ -134,3 +134,76 @@ def test_decode_verify_matches_reference(preset, prefetch):
         _check_one_step(preset, 8, 2, 64, [300, 77, 150], [1, 5, 1], seed=23, num_splits=2)
     finally:
         paged.FAST["prefetch"] = old
+
+
+# ---- extend kernel for packed pages (attention/paged_extend.py): paged_attention dispatches every
+# step with max_query_len > 16 over a packed layout to it. Batches mix long extend chunks (several
+# query blocks, an unmasked bulk of whole key tiles, a diagonal tail), a chunk from scratch, decode
+# and verify requests; lengths are not multiples of the block size.
+EXTEND_MIXED = ([150, 0, 37, 300], [40, 33, 1, 5])
+
+
+def _extend_cfg(small: bool):
+    from tqserve.attention import paged_extend
+
+    # small: 16 rows x 16 keys, so tiny shapes still run many query blocks and key tiles
+    return paged_extend.ExtendConfig(16, 16, 4) if small else None
+
+
+def _with_extend_cfg(cfg, fn):
+    from tqserve.attention import paged_extend
+
+    old = dict(paged_extend.OVERRIDE)
+    if cfg is not None:
+        paged_extend.OVERRIDE["extend"] = cfg
+    try:
+        fn()
+    finally:
+        paged_extend.OVERRIDE.clear()
+        paged_extend.OVERRIDE.update(old)
+
+
+@pytest.mark.parametrize(
+    "preset,hq,hkv,d,small",
+    [
+        ("turboquant_4bit_nc", 4, 4, 64, False),  # GQA 1
+        ("turboquant_3bit_nc", 8, 2, 64, False),  # GQA 4, 3-bit keys and min-max values
+        ("turboquant_3bit_nc", 8, 2, 64, True),
+        ("tq4", 7, 1, 64, False),  # GQA 7 (padded group), 5-bit keys, rotated 3-bit values, sink 4 + window 32
+        ("tq4", 7, 1, 64, True),
+        ("tq3", 8, 1, 128, False),  # GQA 8, rotated 2-bit values, sink 4 + window 48
+        ("turboquant_k8v4", 4, 1, 64, False),  # fp8 keys + min-max values
+        ("tq_k4v3_ub_s4_w16", 4, 2, 256, False),  # d 256
+    ],
+)
+def test_extend_matches_reference(preset, hq, hkv, d, small):
+    _with_extend_cfg(_extend_cfg(small), lambda: _check_one_step(preset, hq, hkv, d, *EXTEND_MIXED, seed=hq + d, pad=3))
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq_k3v2_nc_s2_w8"])
+def test_extend_split_k_matches_reference(preset):
+    """Split-K over the key range (few long requests): partial results + log-sum-exp, combined."""
+    _with_extend_cfg(
+        _extend_cfg(True), lambda: _check_one_step(preset, 4, 1, 64, [120, 45], [21, 18], num_splits=3, seed=5, pad=1)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "preset,hq,hkv,d",
+    [
+        ("turboquant_4bit_nc", 32, 8, 128),
+        ("turboquant_3bit_nc", 32, 8, 128),
+        ("turboquant_k8v4", 8, 8, 64),  # GQA 1
+        ("tq4", 28, 4, 128),  # GQA 7
+        ("tq3", 64, 8, 128),  # GQA 8
+        ("tq_k4v3_ub_s4_w128", 32, 8, 128),
+        ("tq_k3v2_ub_s4_w128", 16, 2, 256),  # d 256
+        ("turboquant_4bit_nc", 8, 2, 64),  # d 64
+    ],
+)
+def test_extend_gpu_real_sizes(preset, hq, hkv, d):
+    ctx, ql = [3001, 0, 777, 1500, 64], [700, 300, 5, 129, 1]
+    _check_one_step(preset, hq, hkv, d, ctx, ql, seed=1, pad=5)
+    _check_one_step(preset, hq, hkv, d, [9000], [2048], seed=2)  # one long chunk over a prefix
+    _check_one_step(preset, hq, hkv, d, [20000], [40], seed=3)  # few programs: split-K
