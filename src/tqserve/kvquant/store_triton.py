@@ -189,25 +189,36 @@ def _tq_tile_out(
     D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
 ):  # fmt: skip
     """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (f, fc = f * CS:
-    [BT, 1] columns); return the rows' share of ||c||^2 (nc) or <y, c> (unbiased)."""
+    [BT, 1] columns); return the elements' terms of ||c||^2 (nc) or <y, c> (unbiased), 0 (plain)."""
     y = z * f
     idx, cv = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     if SCALE_MODE == 0:
-        part = tl.zeros([BT], dtype=tl.float32)
+        part = tl.zeros_like(y)
     elif SCALE_MODE == 1:
-        part = tl.sum(cv * cv, 1)
+        part = cv * cv
     else:
-        part = tl.sum(y * cv, 1)
+        part = y * cv
     return part
 
 
 @triton.jit
 def _tq_gain_stats(y, g, gc, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
-    """Rows' <y, c> and ||c||^2 over this tile for c = c[nearest-centroid indices of g * y] (the
-    gain-search candidate of gain g; gc = g * CS)."""
+    """The elements' terms of <y, c> and ||c||^2 over this tile for c = c[nearest-centroid indices
+    of g * y] (the gain-search candidate of gain g; gc = g * CS)."""
     _, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC)
-    return tl.sum(y * cv, 1), tl.sum(cv * cv, 1)
+    return y * cv, cv * cv
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _row_sums2(a, b):
+    """Row sums of two [BT, W] tensors in one reduction (one cross-warp exchange for both)."""
+    return tl.reduce((a, b), 1, _add2)
 
 
 @triton.jit
@@ -269,7 +280,7 @@ def _rot_tile(x_ptr, xrow, tok_ok, had_ptr, col0, W: tl.constexpr, HS: tl.conste
         z = tl.dot(hi, hm)
         z = tl.dot(mid, hm, z)
         z = tl.dot(lo, hm, z)
-    return z, tl.sum(z * z, 1)
+    return z
 
 
 @triton.jit
@@ -292,24 +303,26 @@ def _tq_side(
     <y, c> and ||c||^2 of the candidate indices (nearest centroids of gain * y) are summed over the
     tiles; each row keeps the gain of the largest cosine (first maximum wins), and its indices are
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
-    z0, ss = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 0, W, W, NSPLIT)
+    # same-width tiles are summed elementwise before one row reduction (they cross warps)
+    z0 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 0, W, W, NSPLIT)
+    sq = z0 * z0
     if G0 > 1:
-        z1, s1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, W, W, W, NSPLIT)
-        ss += s1
+        z1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, W, W, W, NSPLIT)
+        sq += z1 * z1
     if G0 > 2:
-        z2, s2 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 2 * W, W, W, NSPLIT)
-        z3, s3 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 3 * W, W, W, NSPLIT)
-        ss += s2 + s3
-    ss = ss * (1.0 / W)
+        z2 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 2 * W, W, W, NSPLIT)
+        z3 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 3 * W, W, W, NSPLIT)
+        sq += z2 * z2 + z3 * z3
+    ss = tl.sum(sq, 1) * (1.0 / W)
     if NT > G0:
-        t1, s4 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O1, W1, W, NSPLIT)
-        ss += s4 * (1.0 / W1)
+        t1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O1, W1, W, NSPLIT)
+        ss += tl.sum(t1 * t1, 1) * (1.0 / W1)
     if NT > G0 + 1:
-        t2, s5 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O2, W2, W, NSPLIT)
-        ss += s5 * (1.0 / W2)
+        t2 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O2, W2, W, NSPLIT)
+        ss += tl.sum(t2 * t2, 1) * (1.0 / W2)
     if NT > G0 + 2:
-        t3, s6 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O3, W3, W, NSPLIT)
-        ss += s6 * (1.0 / W3)
+        t3 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O3, W3, W, NSPLIT)
+        ss += tl.sum(t3 * t3, 1) * (1.0 / W3)
     n = tl.sqrt(ss)
     rn = 1.0 / tl.maximum(n, 1e-30)
     # the first block's butterflied tiles za.. (columns 0, W, 2W, 3W); y = za * f0, and so on
@@ -352,26 +365,27 @@ def _tq_side(
         for gi in range(NGAIN):
             g = tl.load(gain_ptr + gi)
             gs = g * CS
-            dot, cc = _tq_gain_stats(ya, g, gs, tab_ptr, NCELL, HALFC)
+            pd, pc = _tq_gain_stats(ya, g, gs, tab_ptr, NCELL, HALFC)
             if G0 > 1:
                 d1, c1 = _tq_gain_stats(yb, g, gs, tab_ptr, NCELL, HALFC)
-                dot += d1
-                cc += c1
+                pd += d1
+                pc += c1
             if G0 > 2:
                 d2, c2 = _tq_gain_stats(yc, g, gs, tab_ptr, NCELL, HALFC)
                 d3, c3 = _tq_gain_stats(yd, g, gs, tab_ptr, NCELL, HALFC)
-                dot += d2 + d3
-                cc += c2 + c3
+                pd += d2 + d3
+                pc += c2 + c3
+            dot, cc = _row_sums2(pd, pc)
             if NT > G0:
-                d4, c4 = _tq_gain_stats(yt1, g, gs, tab_ptr, NCELL, HALFC)
+                d4, c4 = _row_sums2(*_tq_gain_stats(yt1, g, gs, tab_ptr, NCELL, HALFC))
                 dot += d4
                 cc += c4
             if NT > G0 + 1:
-                d5, c5 = _tq_gain_stats(yt2, g, gs, tab_ptr, NCELL, HALFC)
+                d5, c5 = _row_sums2(*_tq_gain_stats(yt2, g, gs, tab_ptr, NCELL, HALFC))
                 dot += d5
                 cc += c5
             if NT > G0 + 2:
-                d6, c6 = _tq_gain_stats(yt3, g, gs, tab_ptr, NCELL, HALFC)
+                d6, c6 = _row_sums2(*_tq_gain_stats(yt3, g, gs, tab_ptr, NCELL, HALFC))
                 dot += d6
                 cc += c6
             best_cos, best_g, best_dot, best_cc = _tq_pick(dot, cc, g, best_cos, best_g, best_dot, best_cc)
@@ -394,25 +408,25 @@ def _tq_side(
         else:
             acc = best_dot
     else:
-        acc = _tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
-                           BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+        acc = tl.sum(_tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
+                                  BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
         if G0 > 1:
-            acc += _tq_tile_out(zb, f0, f0 * CS, W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+            acc += tl.sum(_tq_tile_out(zb, f0, f0 * CS, W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
         if G0 > 2:
-            acc += _tq_tile_out(zc, f0, f0 * CS, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
-            acc += _tq_tile_out(zd, f0, f0 * CS, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+            acc += tl.sum(_tq_tile_out(zc, f0, f0 * CS, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
+            acc += tl.sum(_tq_tile_out(zd, f0, f0 * CS, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
         if NT > G0:
-            acc += _tq_tile_out(t1, f1, f1 * CS, O1, pay_ptr, tokp, tok_ok, tab_ptr,
-                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1)  # fmt: skip
+            acc += tl.sum(_tq_tile_out(t1, f1, f1 * CS, O1, pay_ptr, tokp, tok_ok, tab_ptr,
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1), 1)  # fmt: skip
         if NT > G0 + 1:
-            acc += _tq_tile_out(t2, f2, f2 * CS, O2, pay_ptr, tokp, tok_ok, tab_ptr,
-                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2)  # fmt: skip
+            acc += tl.sum(_tq_tile_out(t2, f2, f2 * CS, O2, pay_ptr, tokp, tok_ok, tab_ptr,
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2), 1)  # fmt: skip
         if NT > G0 + 2:
-            acc += _tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
-                                BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3)  # fmt: skip
+            acc += tl.sum(_tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3), 1)  # fmt: skip
     _tq_scale_store(n, acc, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
