@@ -631,9 +631,11 @@ def paged_attention(
     """
     # ---- extend steps over packed pages: the dedicated many-rows kernel (attention/paged_extend.py)
     if meta.max_query_len > 16 and layout.packed:
-        from tqserve.attention.paged_extend import extend_attention
+        from tqserve.attention import paged_extend
 
-        return extend_attention(q, k_new, v_new, pages, layout, meta, scale, ring, sinks, out, num_splits)
+        if paged_extend.ENABLED:  # benchmarks switch it off to time this kernel's extend path
+            args = (q, k_new, v_new, pages, layout, meta, scale, ring, sinks, out, num_splits)
+            return paged_extend.extend_attention(*args)
     # ---- end of the extend branch
     T, hq, d = q.shape
     hkv = k_new.shape[1]
@@ -656,6 +658,9 @@ def paged_attention(
     splits = triton.cdiv(tiles * cfg.block_n, split_n)
 
     qx = q
+    # The model's dtype, not the rotated query's (float32 for codebook keys): float32 models get
+    # float32 operands and IEEE dots; bf16 / fp16 models fp16 / bf16 operands on tensor cores.
+    model_f32 = qx.dtype == torch.float32
     if layout.key_mode == CODEBOOK:
         # y = R x for row vectors is x @ R^T; one small GEMM for all heads of the step.
         q = (q.float() @ layout.key_rotation.T).view(T, hq, d)
@@ -697,7 +702,7 @@ def paged_attention(
         KEY_MODE=layout.key_mode, KEY_BITS=layout.key_bits, KEY_SCALED=layout.key_scaled,
         VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, VAL_SCALED=layout.val_scaled,
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
-        DOT_F32=_interpreting() or q.dtype == torch.float32, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32",
         PAIRS=pairs, INTS=ints,
         F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if _interpreting() else LAUNCH_OPTS),
