@@ -13,19 +13,22 @@ of W <= 64 (bf16 or fp16 operands, float32 accumulator) forms exact products sum
 log2(block / W) butterfly stages across the tiles finish the block, and one multiply by
 1 / (sqrt(block) * ||x||) normalizes. That is the reference's float32 FWHT up to summation order:
 u is never rounded to bf16. float32 inputs are split into three bf16 pieces (24 bits, exact) and
-go through three dots. Quantizing counts the positive half of the (exactly symmetric) Lloyd-Max
-boundaries below |y| in a constexpr-unrolled loop of scalar compares (2^(b-1) - 1 per element
-instead of 2^b - 1), and indices are packed 8 at a time into one b-byte group (one 1-, 2- or
-4-byte store for b = 1, 2, 4). Rotations whose Hadamard blocks don't fit that scheme (a block of 8,
-or more than four tiles) use the dense float32 R product instead.
+go through three dots. Quantizing is one table lookup per element (`_tq_lookup`): round(y * CS)
+picks a cell of a small table that holds at most one Lloyd-Max boundary per cell, never near a
+cell edge; the entry gives the number of boundaries below the cell, the cell's own boundary (one
+exact compare with y) and the two centroids, so the index is exactly the reference's bucketize
+count. On the GPU the lookup is inline PTX, so it stays in the MMA layout of the rotated tile.
+Indices are packed 8 at a time into one b-byte group (one 1-, 2- or 4-byte store for b = 1, 2,
+4; for odd b, 4 groups make b 32-bit words). Rotations whose Hadamard blocks don't fit the tiles
+(a block of 8, or more than four tiles) use the dense float32 R product instead.
 
 The gain-search encoder (scale modes `nc+search` / `unbiased+search`, presets tq4s / tq3s / `_ncs` /
 `_ubs`) runs inside the same launch: for each gain of `reference.SEARCH_GAINS` (a runtime loop) the
-rotated tiles are quantized at gain * y with the same boundary search, <y, c> and ||c||^2 are summed
+rotated tiles are quantized at gain * y with the same table lookup, <y, c> and ||c||^2 are summed
 in float32, and each row keeps the gain of the largest cosine (first maximum, as the reference's
 argmax); its indices are then formed again and packed, with the mode's scale. Indices match the
 reference except where two gains' cosines agree to float rounding (y's summation order differs).
-About 50 quantizations per element: some 30x slower than the plain encoder (docs/benchmarks.md).
+About 50 quantizations per element: many times slower than the plain encoder (docs/benchmarks.md).
 """
 
 from __future__ import annotations
