@@ -40,6 +40,7 @@ from tqserve.attention.paged import (
     FAST,
     LOG2E,
     PageLayout,
+    _as_f16,
     _indices,
     _interpreting,
     _ints,
@@ -50,10 +51,12 @@ from tqserve.attention.paged import (
     _row_major,
     _split_reduce_kernel,
     _tile_rows,
+    _widen,
 )
 from tqserve.attention.tuning import group_pad, pick_splits
 
 LAST_LAUNCH: dict = {}  # the last compiled extend kernel (benchmarks read registers / spills)
+ENABLED = True  # paged.paged_attention dispatches extend steps over packed pages here (benchmarks: A/B)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,94 @@ def extend_config(group: int, head_dim: int, exact: bool) -> ExtendConfig:
 
 
 @triton.jit
+def _load_words_t(ptr, tok, nmask, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+    """`paged._load_words` transposed: packed words [DP // 8, BN] (group-major). Key tiles are
+    decoded in this orientation so the gathers need no layout change and the decoded tile is stored
+    for the tensor cores with 8 coordinates (16 bytes) per store."""
+    G: tl.constexpr = DP // 8
+    NB: tl.constexpr = D * BITS // 8
+    g = tl.arange(0, G)
+    gm = (g[:, None] < D // 8) & nmask[None, :]
+    if BITS == 4:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + tok[None, :] * (NB // 4) + g[:, None], mask=gm, other=0)
+    elif BITS == 2:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + tok[None, :] * (NB // 2) + g[:, None], mask=gm, other=0)
+    elif BITS > 4:
+        base = ptr + tok[None, :] * NB + g[:, None] * BITS
+        w = tl.zeros([G, BN], dtype=tl.int64)
+        for kb in tl.static_range(BITS):
+            w = w | (tl.load(base + kb, mask=gm, other=0).to(tl.int64) << (8 * kb))
+    else:
+        base = ptr + tok[None, :] * NB + g[:, None] * BITS
+        w = tl.zeros([G, BN], dtype=tl.int32)
+        for kb in tl.static_range(BITS):
+            w = w | (tl.load(base + kb, mask=gm, other=0).to(tl.int32) << (8 * kb))
+    return w
+
+
+@triton.jit
+def _tree8_t(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr, DP: tl.constexpr):
+    """`paged._tree8` for group-major [DP // 8, BN] tiles -> [BN, DP] in coordinate order."""
+    x = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+    return tl.reshape(tl.permute(x, (1, 0, 2, 3, 4)), (BN, DP))
+
+
+@triton.jit
+def _centroids_t(w, tbl, BITS: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, PAIRS: tl.constexpr):
+    """fp16 centroids [BN, DP] of codebook indices from group-major words: through the pair table
+    (b <= 4, `paged._pairs`), else one fp16 codebook gather per coordinate."""
+    w = _widen(w, BITS)
+    if PAIRS and BITS <= 4:
+        PM: tl.constexpr = (1 << (2 * BITS)) - 1
+        t0 = tl.load(tbl + (w & PM))
+        t1 = tl.load(tbl + ((w >> (2 * BITS)) & PM))
+        t2 = tl.load(tbl + ((w >> (4 * BITS)) & PM))
+        t3 = tl.load(tbl + ((w >> (6 * BITS)) & PM))
+        x = _as_f16(_tree8_t(t0, t0 >> 16, t1, t1 >> 16, t2, t2 >> 16, t3, t3 >> 16, BN, DP))
+    else:
+        M: tl.constexpr = (1 << BITS) - 1
+        c0 = tl.load(tbl + (w & M).to(tl.int32))
+        c1 = tl.load(tbl + ((w >> BITS) & M).to(tl.int32))
+        c2 = tl.load(tbl + ((w >> (2 * BITS)) & M).to(tl.int32))
+        c3 = tl.load(tbl + ((w >> (3 * BITS)) & M).to(tl.int32))
+        c4 = tl.load(tbl + ((w >> (4 * BITS)) & M).to(tl.int32))
+        c5 = tl.load(tbl + ((w >> (5 * BITS)) & M).to(tl.int32))
+        c6 = tl.load(tbl + ((w >> (6 * BITS)) & M).to(tl.int32))
+        c7 = tl.load(tbl + ((w >> (7 * BITS)) & M).to(tl.int32))
+        x = _tree8_t(c0, c1, c2, c3, c4, c5, c6, c7, BN, DP)
+    return x
+
+
+@triton.jit
+def _load_keys(kp_ptr, ks_ptr, tokp, nmask, d, dmask, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
+               KEY_SCALED: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """Undecoded key tile: dense rows or group-major packed words, and the per-token scale / norm."""
+    if KEY_MODE == 0:
+        raw = tl.load(kp_ptr + tokp[:, None] * D + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        raw = _load_words_t(kp_ptr, tokp, nmask, KEY_BITS, D, DP, BN)
+    if KEY_SCALED:
+        sc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+    else:
+        sc = tl.zeros([BN], dtype=tl.float32)
+    return raw, sc
+
+
+@triton.jit
+def _load_kv(
+    kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, tokp, nmask, d, dmask,
+    KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, KEY_SCALED: tl.constexpr,
+    VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, VAL_SCALED: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """Everything one key tile reads from the pages, undecoded (keys `_load_keys`, values
+    `paged._load_side`)."""
+    kr, ksc = _load_keys(kp_ptr, ks_ptr, tokp, nmask, d, dmask, KEY_MODE, KEY_BITS, KEY_SCALED, D, DP, BN)
+    vr, vsc, vze = _load_side(vp_ptr, vs_ptr, vz_ptr, tokp, nmask, d, dmask, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BN)
+    return kr, ksc, vr, vsc, vze
+
+
+@triton.jit
 def _key_tile(kr, ksc, kcb_ptr, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, KEY_SCALED: tl.constexpr,
               DP: tl.constexpr, BN: tl.constexpr, PAIRS: tl.constexpr, KT: tl.constexpr):  # fmt: skip
     """Key tile [BN, DP] as the score operand: dense pages (scaled: x * scale), or codebook
@@ -89,11 +180,8 @@ def _key_tile(kr, ksc, kcb_ptr, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, 
             k = (kr.to(tl.float32) * ksc[:, None]).to(KT)
         else:
             k = kr.to(KT)
-    else:
-        if PAIRS and KEY_BITS <= 4:
-            kc = _pairs(kr, kcb_ptr, KEY_BITS, DP, BN, False)
-        else:
-            kc = tl.load(kcb_ptr + _indices(kr, KEY_BITS, DP, BN))
+    else:  # kr: group-major words (`_load_words_t`)
+        kc = _centroids_t(kr, kcb_ptr, KEY_BITS, DP, BN, PAIRS)
         k = (kc * ksc.to(tl.float16)[:, None]).to(KT)
     return k
 
@@ -324,15 +412,13 @@ def _extend_kernel(
     acc = tl.zeros([BM, DP], dtype=tl.float32)
     bt_row = bt_ptr + req * stride_bt
 
-    # ---- head: the sink tile(s), masked, exact
+    # ---- head: the first tile when it holds sink keys (read exact below), masked
     for n0 in range(lo, b0, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
-        kr, ksc, kze = _load_side(kp_ptr, ks_ptr, ks_ptr, tokp, nmask, d, dmask, KEY_MODE, KEY_BITS, KEY_SCALED,
-                                  D, DP, BLOCK_N)  # fmt: skip
-        vr, vsc, vze = _load_side(vp_ptr, vs_ptr, vz_ptr, tokp, nmask, d, dmask, VAL_MODE, VAL_BITS, VAL_SCALED,
-                                  D, DP, BLOCK_N)  # fmt: skip
+        kr, ksc, vr, vsc, vze = _load_kv(
+            kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, _tile_rows(bt_row, n, n < hi, kvh, HKV, BS), n < hi, d, dmask,
+            KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N,
+        )  # fmt: skip
         acc, m_i, l_i = _page_tile(
             acc, m_i, l_i, qv, n0, kr, ksc, vr, vsc, vze, kcb_ptr, vcb_ptr, qpos, hi,
             DP, BLOCK_N, KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED,
@@ -343,43 +429,39 @@ def _extend_kernel(
     # is decoded (register double buffering), block-table entries one tile further ahead
     if PREFETCH:
         n_a = b0 + tl.arange(0, BLOCK_N)
-        tokp_a = _tile_rows(bt_row, n_a, n_a < b1, kvh, HKV, BS)
-        kr_nx, ksc_nx, kze_nx = _load_side(kp_ptr, ks_ptr, ks_ptr, tokp_a, n_a < b1, d, dmask, KEY_MODE, KEY_BITS,
-                                           KEY_SCALED, D, DP, BLOCK_N)  # fmt: skip
-        vr_nx, vsc_nx, vze_nx = _load_side(vp_ptr, vs_ptr, vz_ptr, tokp_a, n_a < b1, d, dmask, VAL_MODE, VAL_BITS,
-                                           VAL_SCALED, D, DP, BLOCK_N)  # fmt: skip
+        kr_nx, ksc_nx, vr_nx, vsc_nx, vze_nx = _load_kv(
+            kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, _tile_rows(bt_row, n_a, n_a < b1, kvh, HKV, BS), n_a < b1, d,
+            dmask, KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N,
+        )  # fmt: skip
         tokp_nx = _tile_rows(bt_row, n_a + BLOCK_N, n_a + BLOCK_N < b1, kvh, HKV, BS)
     for n0 in range(b0, b1, BLOCK_N):
         if PREFETCH:
             kr, ksc, vr, vsc, vze = kr_nx, ksc_nx, vr_nx, vsc_nx, vze_nx
             n1 = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
-            kr_nx, ksc_nx, kze_nx = _load_side(kp_ptr, ks_ptr, ks_ptr, tokp_nx, n1 < b1, d, dmask, KEY_MODE,
-                                               KEY_BITS, KEY_SCALED, D, DP, BLOCK_N)  # fmt: skip
-            vr_nx, vsc_nx, vze_nx = _load_side(vp_ptr, vs_ptr, vz_ptr, tokp_nx, n1 < b1, d, dmask, VAL_MODE,
-                                               VAL_BITS, VAL_SCALED, D, DP, BLOCK_N)  # fmt: skip
+            kr_nx, ksc_nx, vr_nx, vsc_nx, vze_nx = _load_kv(
+                kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, tokp_nx, n1 < b1, d, dmask,
+                KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N,
+            )  # fmt: skip
             tokp_nx = _tile_rows(bt_row, n1 + BLOCK_N, n1 + BLOCK_N < b1, kvh, HKV, BS)
         else:
             n = n0 + tl.arange(0, BLOCK_N)
-            tokp = _tile_rows(bt_row, n, n < b1, kvh, HKV, BS)
-            kr, ksc, kze = _load_side(kp_ptr, ks_ptr, ks_ptr, tokp, n < b1, d, dmask, KEY_MODE, KEY_BITS,
-                                      KEY_SCALED, D, DP, BLOCK_N)  # fmt: skip
-            vr, vsc, vze = _load_side(vp_ptr, vs_ptr, vz_ptr, tokp, n < b1, d, dmask, VAL_MODE, VAL_BITS,
-                                      VAL_SCALED, D, DP, BLOCK_N)  # fmt: skip
+            kr, ksc, vr, vsc, vze = _load_kv(
+                kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, _tile_rows(bt_row, n, n < b1, kvh, HKV, BS), n < b1, d, dmask,
+                KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N,
+            )  # fmt: skip
         acc, m_i, l_i = _page_tile(
             acc, m_i, l_i, qv, n0, kr, ksc, vr, vsc, vze, kcb_ptr, vcb_ptr, qpos, hi,
             DP, BLOCK_N, KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED,
             SINK, WINDOW, False, PAIRS, KT, VT, PREC,
         )  # fmt: skip
 
-    # ---- tail: keys near the diagonal (causal mask, window copies)
+    # ---- tail: keys near the diagonal (causal mask; window keys are read exact below)
     for n0 in range(b1, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
-        kr, ksc, kze = _load_side(kp_ptr, ks_ptr, ks_ptr, tokp, nmask, d, dmask, KEY_MODE, KEY_BITS, KEY_SCALED,
-                                  D, DP, BLOCK_N)  # fmt: skip
-        vr, vsc, vze = _load_side(vp_ptr, vs_ptr, vz_ptr, tokp, nmask, d, dmask, VAL_MODE, VAL_BITS, VAL_SCALED,
-                                  D, DP, BLOCK_N)  # fmt: skip
+        kr, ksc, vr, vsc, vze = _load_kv(
+            kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, _tile_rows(bt_row, n, n < hi, kvh, HKV, BS), n < hi, d, dmask,
+            KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N,
+        )  # fmt: skip
         acc, m_i, l_i = _page_tile(
             acc, m_i, l_i, qv, n0, kr, ksc, vr, vsc, vze, kcb_ptr, vcb_ptr, qpos, hi,
             DP, BLOCK_N, KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED,

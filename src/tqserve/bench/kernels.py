@@ -134,6 +134,93 @@ def sdpa_flash_tflops(dev, hq=32, hkv=8, d=128, L=8192) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
+def sdpa_flash_extend_ms(dev, hq, hkv, d, ctx, chunk) -> float:
+    """SDPA (flash backend, bf16) on the extend shape: the chunk's queries against the whole prefix
+    (no mask) plus the chunk against itself (causal), K/V expanded to every query head. The same
+    useful work as the paged extend step, short of merging the two softmax partials."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, hq, chunk, d, device=dev, dtype=torch.bfloat16)
+    kp = torch.randn(1, hq, ctx, d, device=dev, dtype=torch.bfloat16)
+    vp = torch.randn_like(kp)
+    kc = torch.randn(1, hq, chunk, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+
+    def run():
+        F.scaled_dot_product_attention(q, kp, vp)
+        F.scaled_dot_product_attention(q, kc, vc, is_causal=True)
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return _bench(run)
+
+
+def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=False, old=("turboquant_4bit_nc",)):
+    """Extend: one `chunk`-token chunk over a `ctx` prefix, TFLOP/s of the causal work against SDPA
+    flash on the same shape and on an 8K causal prefill. Packed presets run the extend kernel
+    (attention/paged_extend.py); `old` presets are timed through paged.py's kernel as well."""
+    from tqserve.attention import paged_extend
+
+    flops = 4 * hq * d * chunk * (ctx + (chunk + 1) / 2)
+    f_ms = sdpa_flash_extend_ms(dev, hq, hkv, d, ctx, chunk)
+    flash = flops / (f_ms * 1e-3) / 1e12
+    rows.append({"case": f"sdpa flash extend {chunk} over {ctx}", "ms": f_ms, "TFLOPs": flash})
+    print(f"sdpa flash extend {chunk} over {ctx} (bf16, same shape): {f_ms:.3f} ms {flash:.0f} TFLOP/s", flush=True)
+
+    def one(name, c, **extra):
+        ms = _bench(c.run)
+        tf = flops / (ms * 1e-3) / 1e12
+        ck = paged_extend.LAST_LAUNCH.get("kernel") if paged_extend.ENABLED and c.layout.packed else None
+        regs = (getattr(ck, "n_regs", "?"), getattr(ck, "n_spills", "?")) if ck is not None else ("", "")
+        row = {"case": name, "ms": ms, "TFLOPs": tf, "vs_flash_same_shape": tf / flash, "vs_flash_8k": tf / flash_8k}
+        row.update(extra, regs=regs[0], spills=regs[1])
+        rows.append(row)
+        print(
+            f"{name:58s} {ms:8.3f} ms {tf:5.0f} TFLOP/s  {tf / flash:5.2f} of flash (same shape)  "
+            f"{tf / flash_8k:5.2f} of flash 8K  regs {regs[0]} spills {regs[1]}",
+            flush=True,
+        )
+
+    for p in presets:
+        c = Case(p, 1, ctx, chunk, hq, hkv, d, dev)
+        one(f"paged {p} extend {chunk} over {ctx}", c)
+        if p in old and c.layout.packed:
+            new = c.run().float().clone()
+            paged_extend.ENABLED = False
+            try:
+                one(f"paged {p} extend {chunk} over {ctx} (paged.py kernel)", c)
+                ref = c.run().float()
+            finally:
+                paged_extend.ENABLED = True
+            err = float((new - ref).norm() / ref.norm())
+            rows[-1]["rel_err_vs_extend_kernel"] = err
+            print(f"    extend kernel vs paged.py kernel on the same pages: rel err {err:.2e}", flush=True)
+        if sweep and c.layout.packed:
+            from tqserve.attention.paged import FAST
+
+            FAST["prefetch"] = False
+            try:
+                one(f"  sweep {p} default tiles, no register prefetch", c)
+            finally:
+                FAST["prefetch"] = True
+            for cfg in (
+                paged_extend.ExtendConfig(128, 32, 8),
+                paged_extend.ExtendConfig(64, 64, 4),
+                paged_extend.ExtendConfig(128, 128, 8),
+                paged_extend.ExtendConfig(256, 64, 16),
+            ):
+                paged_extend.OVERRIDE["extend"] = cfg
+                try:
+                    one(f"  sweep {p} rows={cfg.rows} bn={cfg.block_n} w={cfg.num_warps}", c)
+                except Exception as e:  # out of resources: report and go on
+                    print(f"  sweep {p} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
+                finally:
+                    paged_extend.OVERRIDE.clear()
+        c.free()
+        del c
+        torch.cuda.empty_cache()
+    return flash
+
+
 def store_case(preset, t, hkv, d, dev) -> tuple[float, float]:
     from tqserve.kvquant.presets import make_layer_format
     from tqserve.kvquant.store_triton import StorePlan, store_kv
@@ -156,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write all numbers here")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--sweep", action="store_true", help="also time decode tile variants")
+    ap.add_argument("--only", choices=["extend"], default=None, help="run one section only")
+    ap.add_argument("--extend-sweep", action="store_true", help="also time extend kernel tile variants")
+    ap.add_argument("--extend-presets", default="auto,turboquant_4bit_nc,turboquant_3bit_nc,tq4,tq3")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -190,6 +280,19 @@ def main(argv: list[str] | None = None) -> int:
         return ms
 
     print(f"card {res['card']}  copy {bw:.0f} GB/s", flush=True)
+    if args.only == "extend":
+        flash = sdpa_flash_tflops(dev)
+        res["sdpa_flash_causal_TFLOPs"] = flash
+        print(f"sdpa flash causal prefill 8192: {flash:.0f} TFLOP/s", flush=True)
+        res["sdpa_flash_extend_TFLOPs"] = extend_rows(
+            dev, ctx, 2048, args.extend_presets.split(","), hq, hkv, d, flash, rows, sweep=args.extend_sweep,
+            old=("turboquant_4bit_nc", "tq4"),
+        )  # fmt: skip
+        res["rows"] = rows
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     # ---- decode 32 x ctx
     sd_ms, sd_bytes = sdpa_decode_ms(32, ctx, 1, hq, hkv, d, dev)
     record(f"sdpa decode 32x{ctx}", sd_ms, sd_bytes)
@@ -249,16 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     flash = sdpa_flash_tflops(dev)
     res["sdpa_flash_causal_TFLOPs"] = flash
     print(f"sdpa flash causal prefill 8192: {flash:.0f} TFLOP/s", flush=True)
-    for p in [x for x in ("auto", "turboquant_4bit_nc", "tq4") if x in presets]:
-        c = Case(p, 1, ctx, 2048, hq, hkv, d, dev)
-        ms = _bench(c.run)
-        flops = 4 * hq * d * 2048 * (ctx + 1024)
-        tf = flops / (ms * 1e-3) / 1e12
-        rows.append({"case": f"paged {p} extend 2048 over {ctx}", "ms": ms, "TFLOPs": tf, "vs_flash": tf / flash})
-        print(f"paged {p} extend 2048 over {ctx}: {ms:.3f} ms {tf:.0f} TFLOP/s ({tf / flash:.2f} of flash)", flush=True)
-        c.free()
-        del c
-        torch.cuda.empty_cache()
+    ext = [x for x in ("auto", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3") if x in presets]
+    res["sdpa_flash_extend_TFLOPs"] = extend_rows(dev, ctx, 2048, ext, hq, hkv, d, flash, rows)
     # ---- store
     for p in presets:
         ms, gbps = store_case(p, 16384, hkv, d, dev)
