@@ -154,10 +154,11 @@ def sdpa_flash_extend_ms(dev, hq, hkv, d, ctx, chunk) -> float:
         return _bench(run)
 
 
-def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=False, old=("turboquant_4bit_nc",)):
+def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=(), old=("turboquant_4bit_nc",)):
     """Extend: one `chunk`-token chunk over a `ctx` prefix, TFLOP/s of the causal work against SDPA
     flash on the same shape and on an 8K causal prefill. Packed presets run the extend kernel
-    (attention/paged_extend.py); `old` presets are timed through paged.py's kernel as well."""
+    (attention/paged_extend.py); `old` presets are timed through paged.py's kernel as well, `sweep`
+    presets with other tile shapes."""
     from tqserve.attention import paged_extend
 
     flops = 4 * hq * d * chunk * (ctx + (chunk + 1) / 2)
@@ -194,7 +195,7 @@ def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=Fals
             err = float((new - ref).norm() / ref.norm())
             rows[-1]["rel_err_vs_extend_kernel"] = err
             print(f"    extend kernel vs paged.py kernel on the same pages: rel err {err:.2e}", flush=True)
-        if sweep and c.layout.packed:
+        if p in sweep and c.layout.packed:
             from tqserve.attention.paged import FAST
 
             FAST["prefetch"] = False
@@ -285,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         res["sdpa_flash_causal_TFLOPs"] = flash
         print(f"sdpa flash causal prefill 8192: {flash:.0f} TFLOP/s", flush=True)
         res["sdpa_flash_extend_TFLOPs"] = extend_rows(
-            dev, ctx, 2048, args.extend_presets.split(","), hq, hkv, d, flash, rows, sweep=args.extend_sweep,
+            dev, ctx, 2048, args.extend_presets.split(","), hq, hkv, d, flash, rows,
+            sweep=("turboquant_4bit_nc", "tq4") if args.extend_sweep else (),
             old=("turboquant_4bit_nc", "tq4"),
         )  # fmt: skip
         res["rows"] = rows
