@@ -29,6 +29,9 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | reference | triton
     mamba_checkpoint_interval: int = 512  # hybrid models: tokens between prefill state checkpoints
     num_state_checkpoints: int | None = None  # hybrid models: checkpoint slots (default 2*max_num_seqs)
+    # Presets with an exact window W: exact-window snapshots cached with the prefix, each the size of
+    # one request's window (default min(2*max_num_seqs, 64); 0: none, prefix hits recompute W tokens).
+    num_window_snapshots: int | None = None
     chat_template: str | None = None
     served_model_name: str | None = None
     disable_log_stats: bool = True
@@ -54,6 +57,8 @@ class EngineArgs:
                 f"mamba_checkpoint_interval ({self.mamba_checkpoint_interval}) must be a multiple of "
                 f"block_size ({self.block_size})"
             )
+        if self.num_window_snapshots is not None and self.num_window_snapshots < 0:
+            raise ValueError(f"num_window_snapshots must be >= 0, got {self.num_window_snapshots}")
         if self.attention_backend not in ("auto", "torch", "reference", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch, reference or triton, got {self.attention_backend!r}"

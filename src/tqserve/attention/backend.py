@@ -14,6 +14,19 @@ import torch
 
 
 @dataclass
+class RingSnapshots:
+    """Exact-window snapshots written this step (core/window_snapshots.py), one row per snapshot:
+    the exact K/V of positions [b - W, b) (W: the largest window) go to a snapshot slot, read from
+    the request's ring for positions before its first token this step, else from this step's k/v."""
+
+    positions: torch.Tensor  # [n, W] int64: b - W .. b - 1 (negative ones are discarded)
+    start: torch.Tensor  # [n] int64: position of the request's first token this step
+    token0: torch.Tensor  # [n] int64: that token's row in this step's k / v
+    seq_slot: torch.Tensor  # [n] int64: the request's ring
+    slot: torch.Tensor  # [n] int64: the snapshot slot written
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step. Device tensors are views of persistent buffers.
 
@@ -41,6 +54,7 @@ class AttentionMetadata:
     sink_slots_cpu: list[int] = field(default_factory=list)
     block_tables_cpu: list[list[int]] = field(default_factory=list)
     slot_mapping_cpu: list[int] = field(default_factory=list)
+    ring_snapshots: RingSnapshots | None = None
     # Extra per-model-family metadata (GDN chunk indices, spec-decode info) goes here by name.
     extra: dict = field(default_factory=dict)
 

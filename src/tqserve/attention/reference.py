@@ -25,12 +25,16 @@ class KVCacheStore:
         num_seq_slots: int,
         num_sink_slots: int,
         device: torch.device,
+        num_snapshot_slots: int = 0,
     ) -> None:
         self.formats = formats
         self.block_size = block_size
         self.pages = [f.allocate(num_blocks, block_size, device) for f in formats]
         self.ring: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.sinks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        # Exact-window snapshots cached with the prefix: slot 0 is the null slot, entry p % W as in
+        # the ring (core/window_snapshots.py).
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for f in formats:
             shape = (f.num_kv_heads, f.head_dim)
             if f.window:
@@ -38,6 +42,11 @@ class KVCacheStore:
                 self.ring.append(_zeros_pair(ring, f.model_dtype, device))
             else:
                 self.ring.append(None)
+            if f.window and num_snapshot_slots:
+                snap = (num_snapshot_slots + 1, shape[0], f.window, shape[1])
+                self.snapshots.append(_zeros_pair(snap, f.model_dtype, device))
+            else:
+                self.snapshots.append(None)
             if f.sink:
                 sink = (num_sink_slots, shape[0], f.sink, shape[1])
                 self.sinks.append(_zeros_pair(sink, f.model_dtype, device))
@@ -46,7 +55,7 @@ class KVCacheStore:
 
     def exact_bytes(self) -> int:
         total = 0
-        for bufs in (*self.ring, *self.sinks):
+        for bufs in (*self.ring, *self.sinks, *self.snapshots):
             if bufs is not None:
                 total += sum(t.numel() * t.element_size() for t in bufs)
         return total
@@ -66,14 +75,40 @@ class KVCacheStore:
             rk[seq_slot][:, pos % f.window] = k.transpose(0, 1).to(rk.dtype)
             rv[seq_slot][:, pos % f.window] = v.transpose(0, 1).to(rv.dtype)
 
+    def restore_ring(self, snapshot_slots: torch.Tensor, seq_slots: torch.Tensor) -> None:
+        """Requests resuming at a boundary with an exact-window snapshot: their rings become the
+        snapshots (`snapshot_slots` [n] -> `seq_slots` [n], every window layer)."""
+        for layer, snap in enumerate(self.snapshots):
+            if snap is None:
+                continue
+            for ring, saved in zip(self.ring[layer], snap):
+                ring[seq_slots] = saved[snapshot_slots]
+
+    def _write_snapshots(self, layer: int, k: torch.Tensor, v: torch.Tensor, snaps) -> None:
+        """Exact K/V of positions [b - W, b) into snapshot slots: from the ring for positions before
+        the request's first token this step (the ring still holds them: this runs before the ring is
+        refreshed), from this step's k / v for the others."""
+        f = self.formats[layer]
+        pos = snaps.positions[:, -f.window :]  # [n, W] of this layer
+        entry = pos % f.window
+        from_ring = (pos < snaps.start[:, None])[..., None, None]
+        row = (snaps.token0[:, None] + pos - snaps.start[:, None]).clamp(0, k.shape[0] - 1)
+        dst = torch.where(pos >= 0, snaps.slot[:, None], 0)  # positions before 0: null slot
+        seq = snaps.seq_slot[:, None]
+        for ring, saved, new in zip(self.ring[layer], self.snapshots[layer], (k, v)):
+            saved[dst, :, entry] = torch.where(from_ring, ring[seq, :, entry], new[row].to(ring.dtype))
+
     def refresh_exact(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """Copy this step's K/V into the ring (entry pos % W) and, for positions < S, the sinks.
-        Runs after attention so the ring still held the previous positions while it was read."""
+        Runs after attention so the ring still held the previous positions while it was read.
+        Exact-window snapshots due this step are written first, while the ring still holds them."""
         f = self.formats[layer]
         if not (f.window or f.sink):
             return
         pos = meta.positions[: meta.num_tokens]
         req_of_token = _request_index(meta)
+        if f.window and meta.ring_snapshots is not None and self.snapshots[layer] is not None:
+            self._write_snapshots(layer, k, v, meta.ring_snapshots)
         if f.window:
             rk, rv = self.ring[layer]
             # Only the last W tokens of each request are kept; the others would collide on the same

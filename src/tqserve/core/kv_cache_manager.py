@@ -8,14 +8,18 @@
   sharing page 0 share the sinks and a hit on page 0 always finds them.
 - State checkpoints (hybrid models): the recurrent state after exactly k*block_size tokens, keyed by
   the hash of the block ending there, with their own LRU.
+- Exact-window snapshots (presets with a window W): the exact K/V of the W positions before a block
+  boundary, keyed the same way, so a hit resumes there without recomputing (window_snapshots.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tqserve.core.block_pool import BlockPool
+from tqserve.core.window_snapshots import WindowSnapshots
 from tqserve.request import Request
 
 
@@ -31,6 +35,15 @@ class CacheLayout:
     num_checkpoint_slots: int = 0
     checkpoint_interval: int = 0  # tokens between prefill checkpoints (multiple of block_size)
     cache_salt: int = 0  # hash of model + KV configuration
+    num_snapshot_slots: int = 0  # exact-window snapshots cached with the prefix (0: none)
+
+
+class PrefixHit(NamedTuple):
+    pages: list[int]  # cached pages to share
+    num_hit_tokens: int  # tokens they cover
+    resume_at: int  # where computation resumes (earlier when a window or a state must be rebuilt)
+    checkpoint_slot: int | None = None  # state checkpoint to restore (hybrid models)
+    snapshot_slot: int | None = None  # exact-window snapshot to restore the ring from
 
 
 class KVCacheManager:
@@ -50,8 +63,15 @@ class KVCacheManager:
         first = layout.max_num_seqs + 1
         self.free_ckpt_slots = list(range(first + layout.num_checkpoint_slots - 1, first - 1, -1))
         self.ckpt: OrderedDict[int, int] = OrderedDict()
+        use_snaps = layout.window and layout.enable_prefix_caching and layout.num_snapshot_slots
+        self.snaps = WindowSnapshots(layout.num_snapshot_slots) if use_snaps else None
+        # Requests that resumed after a hit by recomputing the window from decoded pages (no snapshot):
+        # their exact values near the hit differ from a first computation's, so they write no
+        # snapshot whose window reaches below the hit (request id -> smallest boundary allowed).
+        self.snapshot_floor: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.snapshot_hits = 0  # hits that resumed from an exact-window snapshot
 
     # ---- hashing -------------------------------------------------------------------------
     def _hash_blocks(self, request: Request, upto: int) -> list[int]:
@@ -68,17 +88,14 @@ class KVCacheManager:
         return hashes
 
     # ---- admission -----------------------------------------------------------------------
-    def lookup_prefix(self, request: Request) -> tuple[list[int], int, int, int | None]:
-        """Find cached pages for the request's prefix.
-
-        Returns (pages, num_hit_tokens, resume_at, checkpoint_slot): the pages to share, how many
-        tokens they cover, where computation resumes (earlier than the hit when exact copies or a
-        state must be rebuilt) and the state checkpoint to restore (hybrid models)."""
+    def lookup_prefix(self, request: Request) -> PrefixHit:
+        """Find cached pages for the request's prefix, where computation resumes, and what must be
+        restored there (a state checkpoint, an exact-window snapshot)."""
         lay = self.layout
         sp = request.sampling_params
         if not lay.enable_prefix_caching or sp.prompt_logprobs is not None or sp.prompt_logprobs_full:
             # Prompt logprobs need every prompt position computed.
-            return [], 0, 0, None
+            return PrefixHit([], 0, 0)
         # At least the last prompt token is always computed: its logits start generation.
         hashes = self._hash_blocks(request, request.num_tokens - 1)
         pages: list[int] = []
@@ -97,14 +114,28 @@ class KVCacheManager:
                     resume, ckpt = i * self.block_size, slot
                     self.ckpt.move_to_end(hashes[i - 1])
                     break
+        snap = None
         if lay.window:
-            resume = min(resume, hit - lay.window)
+            if self.snaps is not None:
+                # An exact-window snapshot at a boundary no more than W before the hit (at the
+                # checkpoint's boundary for hybrid models): resume exactly there.
+                bs = self.block_size
+                cands = [resume] if lay.has_state else range(hit, hit - lay.window - 1, -bs)
+                for b in cands:
+                    if b <= lay.sink or b <= 0:
+                        break
+                    snap = self.snaps.find(hashes[b // bs - 1])
+                    if snap is not None:
+                        resume = b
+                        break
+            if snap is None:
+                resume = min(resume, hit - lay.window)
         if resume <= lay.sink or resume <= 0:
             # Recomputing would reach the shared sinks (or there is nothing to resume from).
-            return [], 0, 0, None
+            return PrefixHit([], 0, 0)
         if lay.has_state and ckpt is None:
-            return [], 0, 0, None
-        return pages, hit, resume, ckpt
+            return PrefixHit([], 0, 0)
+        return PrefixHit(pages, hit, resume, ckpt, snap)
 
     def admit(self, request: Request, pages: list[int], num_skipped: int) -> bool:
         """Give a waiting request its sequence slot and shared pages. False if no slot is free."""
@@ -148,6 +179,8 @@ class KVCacheManager:
         slot = self.sink_of_page.pop(page, None)
         if slot is not None:
             self.free_sink_slots.append(slot)
+        if self.snaps is not None:
+            self.snaps.page_evicted(page)
 
     # ---- after a step ---------------------------------------------------------------------
     def cache_full_blocks(self, request: Request) -> None:
@@ -161,6 +194,37 @@ class KVCacheManager:
         for i in range(self.num_registered.get(rid, 0), full):
             self.pool.register(table[i], hashes[i])
         self.num_registered[rid] = full
+        if self.snaps is not None:
+            self.snaps.link(rid, self.pool.lookup)
+
+    def begin_step(self) -> None:
+        if self.snaps is not None:
+            self.snaps.begin_step()
+
+    def snapshot_captures(self, request: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """Exact-window snapshots the request writes in a step computing positions [start, end):
+        (boundary, snapshot slot) for its prompt's last full-block boundary (where a repeat of the
+        prompt resumes) and for a step ending on a block boundary past the prompt (its latest one
+        while decoding replaces the previous: where a follow-up turn or a preempted request resumes)."""
+        if self.snaps is None:
+            return []
+        bs, rid = self.block_size, request.request_id
+        prompt_b = (request.num_prompt_tokens - 1) // bs * bs
+        cands = [(prompt_b, False)] if start < prompt_b <= end else []
+        if end % bs == 0 and end > max(prompt_b, start):
+            cands.append((end, True))
+        floor = max(self.layout.sink + 1, self.snapshot_floor.get(rid, 0))
+        out = []
+        for b, decode in cands:
+            if b < floor:
+                continue
+            h = self._hash_blocks(request, b)[b // bs - 1]
+            slot = self.snaps.take(rid, h, replace=self.snaps.latest.get(rid) if decode else None)
+            if slot is not None:
+                out.append((b, slot))
+                if decode:
+                    self.snaps.latest[rid] = h
+        return out
 
     def checkpoint_slot_for(self, request: Request, n: int, prefill: bool) -> int | None:
         """A checkpoint slot to save the request's state into, or None. Prefill chunks end on the
@@ -194,6 +258,9 @@ class KVCacheManager:
             self.free_seq_slots.append(slot)
         self.block_hashes.pop(rid, None)
         self.num_registered.pop(rid, None)
+        self.snapshot_floor.pop(rid, None)
+        if self.snaps is not None:
+            self.snaps.release(rid)
 
     # ---- views for the runner ---------------------------------------------------------------
     def sink_slot(self, request_id: str) -> int:

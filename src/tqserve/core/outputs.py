@@ -16,6 +16,9 @@ class ScheduledRequest:
     num_page_tokens_cached: int  # positions below this skip page writes (shared pages)
     sample: bool  # the step reaches the end of the known tokens: sample the next one
     want_prompt_logprobs: bool = False
+    # Exact-window snapshots to write this step: (block boundary b, snapshot slot); the slot receives
+    # the exact K/V of positions [b - W, b) of every window layer (core/window_snapshots.py).
+    ring_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -30,6 +33,9 @@ class SchedulerOutput:
     # Requests resuming after a prefix-cache hit with an exact-window preset: (sequence slot, block
     # table, resume position); the runner fills their ring entries [resume - W, resume) from pages.
     ring_fills: list[tuple[int, list[int], int]] = field(default_factory=list)
+    # Requests resuming at a boundary with an exact-window snapshot: (snapshot slot, sequence slot);
+    # the runner copies the snapshot into the request's ring before the forward (no recompute).
+    ring_restores: list[tuple[int, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
 
     @property

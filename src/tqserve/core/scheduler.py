@@ -57,6 +57,7 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.begin_step()
         budget = self.config.max_num_batched_tokens
         preempted = False
         i = 0
@@ -78,7 +79,7 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            pages, hit, resume, ckpt = self.kv.lookup_prefix(req)
+            pages, hit, resume, ckpt, snap = self.kv.lookup_prefix(req)
             n = self._chunk(req, resume, budget)
             if n <= 0:
                 break
@@ -101,7 +102,12 @@ class Scheduler:
                 out.state_restores.append((ckpt, self.kv.seq_slot[req.request_id]))
             if resume > 0 and self.kv.layout.window:
                 rid = req.request_id
-                out.ring_fills.append((self.kv.seq_slot[rid], list(self.kv.block_tables[rid]), resume))
+                if snap is not None:
+                    out.ring_restores.append((snap, self.kv.seq_slot[rid]))
+                    self.kv.snapshot_hits += 1
+                else:
+                    out.ring_fills.append((self.kv.seq_slot[rid], list(self.kv.block_tables[rid]), resume))
+                    self.kv.snapshot_floor[rid] = hit + self.kv.layout.window
             self._emit(req, n, out)
             budget -= n
         return out
@@ -141,6 +147,7 @@ class Scheduler:
                 sample=sample,
                 want_prompt_logprobs=start < req.num_prompt_tokens
                 and (req.sampling_params.prompt_logprobs is not None or req.sampling_params.prompt_logprobs_full),
+                ring_snapshots=self.kv.snapshot_captures(req, start, start + n),
             )
         )
         out.num_tokens += n

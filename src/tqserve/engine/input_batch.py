@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tqserve.attention.backend import AttentionMetadata
+from tqserve.attention.backend import AttentionMetadata, RingSnapshots
 from tqserve.core.outputs import SchedulerOutput
 from tqserve.engine.sampler import SamplingBatch
 from tqserve.request import Request
@@ -52,6 +52,7 @@ class InputBatchBuilder:
         block_size: int,
         device: torch.device,
         gdn_chunk: int = 0,
+        window: int = 0,
     ) -> None:
         self.device = device
         # Hybrid models on CUDA: fla's chunk indices, built here so no kernel wrapper syncs.
@@ -66,6 +67,11 @@ class InputBatchBuilder:
         self.sink_slots = _Buffer((max_num_reqs,), torch.int32, device)
         self.block_tables = _Buffer((max_num_reqs, max_blocks_per_seq), torch.int32, device)
         self.sample_idx = _Buffer((max_num_reqs,), torch.int64, device)
+        # Exact-window snapshots (presets with a window): at most two per request and step.
+        self.window = window
+        if window:
+            self.snap_pos = _Buffer((2 * max_num_reqs, window), torch.int64, device)
+            self.snap_info = _Buffer((4, 2 * max_num_reqs), torch.int64, device)
 
     def build(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -73,6 +79,7 @@ class InputBatchBuilder:
         qsl = [0]
         seq_lens, seq_slots, sink_slots, tables, slot_map = [], [], [], [], []
         sample_rows, sample_ids, prompt_rows_host = [], [], []
+        snaps = []  # (boundary, start, first token row, sequence slot, snapshot slot)
         ids_np, pos_np, slot_np = self.input_ids.np, self.positions.np, self.slot_mapping.np
         bt_np = self.block_tables.np
         for i, s in enumerate(sched.requests):
@@ -95,6 +102,7 @@ class InputBatchBuilder:
                 sample_ids.append(s.request_id)
             if s.want_prompt_logprobs:
                 prompt_rows_host.append((s.request_id, t, n, s.start_pos))
+            snaps.extend((b, s.start_pos, t, s.seq_slot, slot) for b, slot in s.ring_snapshots)
             t += n
             qsl.append(t)
         r = len(sched.requests)
@@ -122,6 +130,8 @@ class InputBatchBuilder:
             block_tables_cpu=tables,
             slot_mapping_cpu=slot_map,
         )
+        if snaps:
+            meta.ring_snapshots = self._ring_snapshots(snaps)
         if self.gdn_chunk:
             meta.extra["gdn_chunk_indices"] = self._gdn_chunk_indices(qsl)
         return StepInputs(
@@ -132,6 +142,17 @@ class InputBatchBuilder:
             sample_request_ids=sample_ids,
             prompt_rows=prompt_rows_host,
         )
+
+    def _ring_snapshots(self, snaps: list[tuple[int, int, int, int, int]]) -> RingSnapshots:
+        n, w = len(snaps), self.window
+        info = np.asarray(snaps, dtype=np.int64)  # [n, 5]
+        self.snap_pos.np[:n] = info[:, :1] - w + np.arange(w)[None, :]
+        self.snap_info.np[:, :n] = info[:, 1:].T
+        pos = self.snap_pos.upload(n)
+        if self.snap_info.pinned:
+            self.snap_info.dev[:, :n].copy_(self.snap_info.host[:, :n], non_blocking=True)
+        info_dev = self.snap_info.dev[:, :n]
+        return RingSnapshots(pos, info_dev[0], info_dev[1], info_dev[2], info_dev[3])
 
     def _gdn_chunk_indices(self, qsl: list[int]) -> torch.Tensor:
         """[num_chunks, 2] (request index, chunk index within the request). A fresh tensor each

@@ -102,6 +102,7 @@ class LLMEngine:
             has_state=bool(r.state_specs),
             num_checkpoint_slots=r.num_ckpt_slots,
             checkpoint_interval=args.mamba_checkpoint_interval,
+            num_snapshot_slots=r.num_snapshot_slots,
             cache_salt=hash(
                 (self.model_config.model, args.kv_cache_dtype, str(dtype), tuple(args.kv_cache_dtype_skip_layers))
             ),
@@ -213,6 +214,7 @@ class LLMEngine:
             "kv_cache_usage": self.kv.usage,
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
+            "window_snapshot_hits": self.kv.snapshot_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_free_blocks": self.kv.pool.num_free,
             "num_total_blocks": self.kv.pool.num_blocks - 1,

@@ -54,6 +54,12 @@ class ModelRunner:
             if self.state_specs and config.enable_prefix_caching
             else 0
         )
+        # Exact-window snapshots cached with the prefix (core/window_snapshots.py): a fixed pool, each
+        # slot the size of one request's ring (default min(2 * max_num_seqs, 64)).
+        self.num_snapshot_slots = 0
+        if self.window and config.enable_prefix_caching:
+            n = config.num_window_snapshots
+            self.num_snapshot_slots = min(2 * config.max_num_seqs, 64) if n is None else n
         self.state_pool = None
         if self.state_specs:
             from tqserve.ops.gdn.state_pool import StatePool
@@ -71,14 +77,20 @@ class ModelRunner:
             reserved + self._exact_bytes_estimate(),
         )
         self.store = KVCacheStore(
-            self.formats, self.num_blocks, config.block_size, self.num_seq_slots, 2 * config.max_num_seqs + 2, device
+            self.formats,
+            self.num_blocks,
+            config.block_size,
+            self.num_seq_slots,
+            2 * config.max_num_seqs + 2,
+            device,
+            self.num_snapshot_slots,
         )
         self.state_bytes = state_bytes
         self.backend = self._make_backend()
         max_blocks = -(-max_model_len // config.block_size)
         gdn_chunk = 64 if self.state_specs and device.type == "cuda" else 0
         self.builder = InputBatchBuilder(
-            self.max_num_tokens, config.max_num_seqs, max_blocks, config.block_size, device, gdn_chunk
+            self.max_num_tokens, config.max_num_seqs, max_blocks, config.block_size, device, gdn_chunk, self.window
         )
         self.sampler = Sampler(device, config.seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -104,7 +116,8 @@ class ModelRunner:
         total = 0
         for f in self.formats:
             per_tok = 2 * f.num_kv_heads * f.head_dim * torch.finfo(f.model_dtype).bits // 8
-            total += per_tok * (self.num_seq_slots * f.window + (2 * self.config.max_num_seqs + 2) * f.sink)
+            ring_slots = self.num_seq_slots + (self.num_snapshot_slots + 1 if self.num_snapshot_slots else 0)
+            total += per_tok * (ring_slots * f.window + (2 * self.config.max_num_seqs + 2) * f.sink)
         return total
 
     def _profile_activation_bytes(self) -> int:
@@ -193,6 +206,9 @@ class ModelRunner:
         for slot, table, start in sched.ring_fills:
             pos = range(max(0, start - self.window), start)
             self.store.fill_ring_from_pages(slot, self._ids(pos), self._ids(table[p // bs] * bs + p % bs for p in pos))
+        if sched.ring_restores:
+            src, dst = zip(*sched.ring_restores)
+            self.store.restore_ring(self._ids(src), self._ids(dst))
         if self.state_pool is not None and sched.state_restores:
             src, dst = zip(*sched.state_restores)
             self.state_pool.copy_slots(self._ids(src), self._ids(dst))
