@@ -637,6 +637,12 @@ def paged_attention(
             args = (q, k_new, v_new, pages, layout, meta, scale, ring, sinks, out, num_splits)
             return paged_extend.extend_attention(*args)
     # ---- end of the extend branch
+    # ---- decode / verify over codebook keys: the sliced kernel (attention/paged_decode.py)
+    from tqserve.attention import paged_decode
+
+    if paged_decode.eligible(layout, meta.max_query_len, q.shape[-1]):
+        args = (q, k_new, v_new, pages, layout, meta, scale, ring, sinks, out, num_splits)
+        return paged_decode.decode_attention(*args)
     T, hq, d = q.shape
     hkv = k_new.shape[1]
     group = hq // hkv

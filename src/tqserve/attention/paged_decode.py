@@ -1,0 +1,502 @@
+"""Sliced decode / verify kernel for packed pages: codebook keys, codebook or min-max values.
+
+The general kernel (`attention/paged.py`) expands each packed key / value tile to [keys, d] with a
+join tree and converts it to the tensor-core operand layout through shared memory. Here nothing is
+expanded: the packed words of a tile, each holding the indices of S coordinates (S = 4 for 2- and
+4-bit codes, one 8-index group otherwise), form a [d / S, keys] tile, and slice j (coordinates
+S*g + j) is decoded *elementwise* from those words. So the words go to shared memory packed (b bits
+per coordinate, not 16), are read back in the operand layout, and are decoded in registers right
+where `tl.dot` wants them:
+
+    scores = sum_j  q[:, j::S] @ c[idx_j]          (S dots with K = d / S)
+    acc_j += p @ v_j                               (S accumulators [rows, d / S])
+
+Lookups are fp16 gathers from the codebook (portable, and what the interpreter runs); on the GPU,
+4-bit codebook slices are decoded by one inline-PTX block per pair of words (PRMT byte lookups in a
+symmetric table held as immediates, no memory access), which Triton keeps in the operand layout
+(a pure unary elementwise op). Min-max values are built as fp16 `1024 + idx` from the index bits.
+
+Everything else follows `paged.py`: rows are (query token, head of the GQA group) padded to 16,
+the exact sink + window rule reads the fresh k / v, the ring and the sink buffer (`_load_exact`),
+split-K partials are combined by `_split_reduce_kernel`, rotated values are rotated back once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tqserve.attention.paged import (
+    CODEBOOK,
+    LOG2E,
+    MINMAX,
+    _interpreting,
+    _load_exact,
+    _num_sms,
+    _row_major,
+    _split_reduce_kernel,
+    _tile_rows,
+)
+from tqserve.attention.tuning import group_pad
+
+ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
+BLOCK_N = 64
+NUM_WARPS = 4
+
+
+def slice_width(bits: int) -> int:
+    """Coordinates per packed word: 4 for 2- and 4-bit codes (an int8 / int16 word), else the
+    8-index group of `b` bytes."""
+    return 4 if bits in (2, 4) else 8
+
+
+def eligible(layout, max_query_len: int, head_dim: int) -> bool:
+    """Decode / verify over codebook keys and codebook / min-max values, power-of-two head sizes with
+    at least 16 words per token (the K of a tensor-core dot)."""
+    if not ENABLED or max_query_len > 16 or layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
+        return False
+    if head_dim & (head_dim - 1) or not (1 <= layout.key_bits <= 8 and 1 <= layout.val_bits <= 8):
+        return False
+    return head_dim // slice_width(layout.key_bits) >= 16 and head_dim // slice_width(layout.val_bits) >= 16
+
+
+# ---- 4-bit codebook slices by PRMT lookups (GPU only) -------------------------------------------
+
+
+def prmt_tables(codebook16) -> tuple[int, int, int, int] | None:
+    """(lo bytes of m0..m3, of m4..m7, hi bytes of m0..m3, of m4..m7) for the magnitudes m = c[8:16]
+    of a symmetric 16-entry fp16 codebook (c[i] == -c[15 - i] bit for bit); None if not symmetric."""
+    import torch
+
+    c = codebook16.detach().to("cpu", torch.float16)
+    if c.numel() != 16 or not torch.equal(c, -c.flip(0)):
+        return None
+    m = [int(v) & 0xFFFF for v in c[8:].view(torch.int16).tolist()]
+    word = lambda xs: xs[0] | xs[1] << 8 | xs[2] << 16 | xs[3] << 24  # noqa: E731
+    return (
+        word([v & 0xFF for v in m[:4]]),
+        word([v & 0xFF for v in m[4:]]),
+        word([v >> 8 for v in m[:4]]),
+        word([v >> 8 for v in m[4:]]),
+    )
+
+
+def prmt_slices(tables: tuple[int, int, int, int]) -> tuple[str, str, str, str]:
+    """PTX of slice j = 0..3: two int16 words (4 indices each) in one register -> fp16x2 (c[idx_j of
+    word 0], c[idx_j of word 1]). Sorted index i: sign = bit 3 (i < 8 is negative), magnitude index
+    i & 7 (i >= 8) or 7 - i. The common part is identical in the four blocks (ptxas shares it)."""
+    tl0, tl1, th0, th1 = tables
+    common = (
+        ".reg .b32 x, n, t, m, s, lo, hi, r, T0, T1, T2, T3;\n"
+        "mov.b32 x, $1;\n"
+        f"mov.b32 T0, {tl0:#x};\nmov.b32 T1, {tl1:#x};\nmov.b32 T2, {th0:#x};\nmov.b32 T3, {th1:#x};\n"
+        "not.b32 t, x;\nand.b32 n, t, 0x88888888;\n"  # n: bit 3 of each negative index
+        "shr.u32 t, n, 3;\nmul.lo.u32 t, t, 7;\nxor.b32 m, x, t;\nand.b32 m, m, 0x77777777;\n"  # magnitudes
+    )
+    out = []
+    for j in range(4):
+        body = common + (f"shr.u32 s, m, {4 * j};\n" if j else "mov.b32 s, m;\n")
+        # selector nibbles: magnitude of word 0 (bits 4j..) and of word 1 (bits 16 + 4j..)
+        body += f"shr.u32 t, m, {4 * j + 12};\nand.b32 s, s, 0x7;\nand.b32 t, t, 0x70;\nor.b32 s, s, t;\n"
+        body += "prmt.b32 lo, T0, T1, s;\nprmt.b32 hi, T2, T3, s;\nprmt.b32 r, lo, hi, 0x5140;\n"
+        body += f"shl.b32 t, n, {12 - 4 * j};\n" if j < 3 else "mov.b32 t, n;\n"  # signs to bits 15 / 31
+        body += "and.b32 t, t, 0x80008000;\nor.b32 $0, r, t;\n"
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
+@triton.jit
+def _prmt(w, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+
+
+# ---- words and slices ------------------------------------------------------------------------
+
+
+@triton.jit
+def _words(
+    ptr, tokp, nmask, BITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr, TRANS: tl.constexpr, RAW: tl.constexpr
+):
+    """Packed words of S indices each: [D // S, BN] (TRANS) or [BN, D // S], int32 (int64 above 32
+    bits); RAW keeps the loaded int16 words (the PRMT path packs two of them per register)."""
+    K: tl.constexpr = D // S
+    WB: tl.constexpr = S * BITS // 8  # bytes per word
+    NB: tl.constexpr = D * BITS // 8  # bytes per token
+    k = tl.arange(0, K)
+    if TRANS:
+        row = tokp[None, :]
+        kk = k[:, None]
+        m = nmask[None, :]
+    else:
+        row = tokp[:, None]
+        kk = k[None, :]
+        m = nmask[:, None]
+    if WB == 1:
+        w = tl.load(ptr + row * NB + kk, mask=m, other=0).to(tl.int32)
+    elif WB == 2:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + row * (NB // 2) + kk, mask=m, other=0)
+        if not RAW:
+            w = w.to(tl.int32) & 0xFFFF
+    elif WB == 4:
+        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + row * (NB // 4) + kk, mask=m, other=0)
+    else:  # a b-byte group of 8 odd-width indices, joined from byte loads
+        base = ptr + row * NB + kk * WB
+        if WB < 4:
+            w = tl.load(base, mask=m, other=0).to(tl.int32)
+            for i in tl.static_range(1, WB):
+                w = w | (tl.load(base + i, mask=m, other=0).to(tl.int32) << (8 * i))
+        else:
+            w = tl.load(base, mask=m, other=0).to(tl.int64)
+            for i in tl.static_range(1, WB):
+                w = w | (tl.load(base + i, mask=m, other=0).to(tl.int64) << (8 * i))
+    return w
+
+
+@triton.jit
+def _cb_slice(w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr):
+    """Codebook values of slice j (fp16 centroids) from the words."""
+    if ASM != "":
+        c = _prmt(w, ASM)
+    else:
+        c = tl.load(cb_ptr + ((w >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.int32))
+    return c.to(OUT_T)
+
+
+@triton.jit
+def _mm_slice(w, j: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr):
+    """Centred min-max indices idx - h of slice j, h = (2^b - 1) // 2: fp16 1024 + idx from the index
+    bits, minus 1024 + h (both exact in fp16)."""
+    HI: tl.constexpr = ((1 << BITS) - 1) // 2
+    i = ((w >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.int32) | 0x6400
+    return (i.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + HI)).to(OUT_T)
+
+
+@triton.jit
+def _v_slice(
+    w, j: tl.constexpr, cb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr
+):
+    if VAL_MODE == 1:
+        return _cb_slice(w, j, cb_ptr, BITS, ASM, OUT_T)
+    else:
+        return _mm_slice(w, j, BITS, OUT_T)
+
+
+@triton.jit
+def _q_slice(
+    q_ptr, tok, hq, row_ok, j: tl.constexpr, qk_scale, stride_qt, S: tl.constexpr, D: tl.constexpr, OUT_T: tl.constexpr
+):
+    g = tl.arange(0, D // S)
+    x = tl.load(
+        q_ptr + tok[:, None] * stride_qt + hq[:, None] * D + g[None, :] * S + j, mask=row_ok[:, None], other=0.0
+    )
+    return (x.to(tl.float32) * qk_scale).to(OUT_T)
+
+
+@triton.jit
+def _acc_update(
+    acc,
+    alpha,
+    pp,
+    vw,
+    j: tl.constexpr,
+    vcb_ptr,
+    VAL_MODE: tl.constexpr,
+    BITS: tl.constexpr,
+    ASM: tl.constexpr,
+    PK_T: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    acc = acc * alpha[:, None]
+    return tl.dot(pp, _v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T), acc, input_precision=PREC)
+
+
+@triton.jit
+def _store_slice(obase, acc, l_safe, row_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
+    g = tl.arange(0, D // S)
+    tl.store(obase + g[None, :] * S + j, (acc / l_safe[:, None]).to(obase.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, qx_ptr, kn_ptr, vn_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr,
+    rk_ptr, rv_ptr, sk_ptr, sv_ptr, qsl_ptr, seqlen_ptr, bt_ptr, seqslot_ptr, sinkslot_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qxt, stride_knt, stride_vnt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt,
+    split_n, qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+    KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
+    VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
+    SINK: tl.constexpr, WINDOW: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    BM: tl.constexpr = BLOCK_Q * GP
+    HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
+    KRAW: tl.constexpr = KASM0 != ""
+    VRAW: tl.constexpr = VASM0 != ""
+    pid_rh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    req = pid_rh // HKV
+    kvh = pid_rh % HKV
+    q_start = tl.load(qsl_ptr + req)
+    qlen = tl.load(qsl_ptr + req + 1) - q_start
+    seq_len = tl.load(seqlen_ptr + req)
+    qb0 = tl.program_id(0) * BLOCK_Q
+    if qb0 >= qlen:
+        return
+    ctx = seq_len - qlen
+
+    rows = tl.arange(0, BM)
+    qi = rows // GP
+    hh = rows % GP
+    row_ok = (qb0 + qi < qlen) & (hh < G)
+    tok = (q_start + qb0 + qi).to(tl.int64)
+    qpos = ctx + qb0 + qi
+    hq = kvh * G + hh
+    if DOT_F32:  # the interpreter (and float32 models) compute in float32
+        dot_t = tl.float32
+        pk_t = tl.float32
+    else:
+        dot_t = kn_ptr.dtype.element_ty
+        pk_t = tl.float16
+
+    KV: tl.constexpr = D // SV
+    q0 = _q_slice(q_ptr, tok, hq, row_ok, 0, qk_scale, stride_qt, SK, D, pk_t)
+    q1 = _q_slice(q_ptr, tok, hq, row_ok, 1, qk_scale, stride_qt, SK, D, pk_t)
+    q2 = _q_slice(q_ptr, tok, hq, row_ok, 2, qk_scale, stride_qt, SK, D, pk_t)
+    q3 = _q_slice(q_ptr, tok, hq, row_ok, 3, qk_scale, stride_qt, SK, D, pk_t)
+    if SK == 8:
+        q4 = _q_slice(q_ptr, tok, hq, row_ok, 4, qk_scale, stride_qt, SK, D, pk_t)
+        q5 = _q_slice(q_ptr, tok, hq, row_ok, 5, qk_scale, stride_qt, SK, D, pk_t)
+        q6 = _q_slice(q_ptr, tok, hq, row_ok, 6, qk_scale, stride_qt, SK, D, pk_t)
+        q7 = _q_slice(q_ptr, tok, hq, row_ok, 7, qk_scale, stride_qt, SK, D, pk_t)
+    if HAS_EXACT:
+        d = tl.arange(0, D)
+        qx = tl.load(qx_ptr + tok[:, None] * stride_qxt + hq[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        qx = (qx.to(tl.float32) * qk_scale).to(dot_t)
+        seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
+        sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
+
+    kv_end = tl.minimum(seq_len, ctx + qb0 + BLOCK_Q)
+    q_min = ctx + qb0
+    lo = pid_s * split_n
+    hi = tl.minimum(kv_end, lo + split_n)
+
+    m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    a0 = tl.zeros([BM, KV], dtype=tl.float32)
+    a1 = tl.zeros([BM, KV], dtype=tl.float32)
+    a2 = tl.zeros([BM, KV], dtype=tl.float32)
+    a3 = tl.zeros([BM, KV], dtype=tl.float32)
+    a4 = tl.zeros([BM, KV], dtype=tl.float32)
+    a5 = tl.zeros([BM, KV], dtype=tl.float32)
+    a6 = tl.zeros([BM, KV], dtype=tl.float32)
+    a7 = tl.zeros([BM, KV], dtype=tl.float32)
+    if NPART == 2:
+        accx = tl.zeros([BM, D], dtype=tl.float32)  # exact values (unrotated), a second output part
+    vsum = tl.zeros([BM], dtype=tl.float32)  # min-max: sum of p * (zero + h * scale)
+    bt_row = bt_ptr + req * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, True, KRAW)
+        ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, False, VRAW)
+        vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+
+        # ---- scores against the packed keys: one K = d / S dot per slice
+        s = tl.dot(q0, _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), input_precision=PREC)
+        s = tl.dot(q1, _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), s, input_precision=PREC)
+        s = tl.dot(q2, _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), s, input_precision=PREC)
+        s = tl.dot(q3, _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t), s, input_precision=PREC)
+        if SK == 8:
+            s = tl.dot(q4, _cb_slice(kw, 4, kcb_ptr, KEY_BITS, "", pk_t), s, input_precision=PREC)
+            s = tl.dot(q5, _cb_slice(kw, 5, kcb_ptr, KEY_BITS, "", pk_t), s, input_precision=PREC)
+            s = tl.dot(q6, _cb_slice(kw, 6, kcb_ptr, KEY_BITS, "", pk_t), s, input_precision=PREC)
+            s = tl.dot(q7, _cb_slice(kw, 7, kcb_ptr, KEY_BITS, "", pk_t), s, input_precision=PREC)
+        s = s * ksc[None, :]
+        if HAS_EXACT:
+            tile_exact = (n0 < SINK) | (n0 + BLOCK_N - 1 > q_min - WINDOW)
+            if tile_exact:
+                need = n < SINK
+                ex = n[None, :] < SINK
+                if WINDOW > 0:
+                    need = need | (n > q_min - WINDOW)
+                    ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+                kx = _load_exact(
+                    kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
+                    seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+                )  # fmt: skip
+                sx = tl.dot(qx, tl.trans(kx.to(dot_t)), input_precision=PREC)
+                s = tl.where(ex, sx, s)
+
+        valid = row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        # ---- values
+        pp = p
+        if NPART == 2:
+            accx = accx * alpha[:, None]
+        if HAS_EXACT:  # noqa: SIM102 (constexpr test, then a runtime one: must stay nested)
+            if tile_exact:
+                # (recomputed: values defined inside the key section's runtime branch do not reach here)
+                need = n < SINK
+                ex = n[None, :] < SINK
+                if WINDOW > 0:
+                    need = need | (n > q_min - WINDOW)
+                    ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+                pe = tl.where(ex, p, 0.0)
+                pp = tl.where(ex, 0.0, p)
+                vx = _load_exact(
+                    vn_ptr, rv_ptr, sv_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_vnt,
+                    seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+                )  # fmt: skip
+                accx = tl.dot(pe.to(dot_t), vx.to(dot_t), accx, input_precision=PREC)
+        if VAL_MODE == 2:
+            vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+            HI: tl.constexpr = ((1 << VAL_BITS) - 1) // 2
+            vsum = vsum * alpha + tl.sum(pp * (vze + HI * vsc)[None, :], 1)
+        pv = (pp * vsc[None, :]).to(pk_t)
+        a0 = _acc_update(a0, alpha, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
+        a1 = _acc_update(a1, alpha, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
+        a2 = _acc_update(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
+        a3 = _acc_update(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
+        if SV == 8:
+            a4 = _acc_update(a4, alpha, pv, vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, "", pk_t, PREC)
+            a5 = _acc_update(a5, alpha, pv, vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, "", pk_t, PREC)
+            a6 = _acc_update(a6, alpha, pv, vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, "", pk_t, PREC)
+            a7 = _acc_update(a7, alpha, pv, vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, "", pk_t, PREC)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    vs = vsum[:, None]
+    obase = out_ptr + pid_s * stride_os + tok[:, None] * stride_ot + hq[:, None] * (NPART * D)
+    _store_slice(obase, a0 + vs, l_safe, row_ok, 0, SV, D)
+    _store_slice(obase, a1 + vs, l_safe, row_ok, 1, SV, D)
+    _store_slice(obase, a2 + vs, l_safe, row_ok, 2, SV, D)
+    _store_slice(obase, a3 + vs, l_safe, row_ok, 3, SV, D)
+    if SV == 8:
+        _store_slice(obase, a4 + vs, l_safe, row_ok, 4, SV, D)
+        _store_slice(obase, a5 + vs, l_safe, row_ok, 5, SV, D)
+        _store_slice(obase, a6 + vs, l_safe, row_ok, 6, SV, D)
+        _store_slice(obase, a7 + vs, l_safe, row_ok, 7, SV, D)
+    if NPART == 2:
+        d2 = tl.arange(0, D)
+        tl.store(obase + D + d2[None, :], (accx / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + pid_s * stride_ls + tok * stride_lt + hq, lse, mask=row_ok)
+
+
+def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
+    """PRMT slice decoders for a 4-bit codebook side on the GPU, else empty strings (gathers)."""
+    cb16 = layout.key_cb16 if side == "k" else layout.val_cb16
+    if _interpreting() or bits != 4 or cb16 is None or not cb16.is_cuda:
+        return ("", "", "", "")
+    cache = layout.__dict__.setdefault("_prmt_cache", {})
+    if side not in cache:
+        tables = prmt_tables(cb16)
+        cache[side] = prmt_slices(tables) if tables is not None else ("", "", "", "")
+    return cache[side]
+
+
+def pick_splits(programs: int, max_seq_len: int, sms: int) -> int:
+    """Split-K so that about four programs per SM are resident (at least 4 key tiles per split)."""
+    target = 4 * sms
+    if programs >= target:
+        return 1
+    tiles = triton.cdiv(max(1, max_seq_len), BLOCK_N)
+    return max(1, min(triton.cdiv(target, programs), max(1, tiles // 4), 128))
+
+
+def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sinks=None, out=None, num_splits=None):
+    """`paged.paged_attention` for decode / verify steps over an `eligible` layout (same contract)."""
+    import torch
+
+    T, hq, d = q.shape
+    hkv = k_new.shape[1]
+    group = hq // hkv
+    gp = group_pad(group)
+    kp = pages[layout.key_name]
+    vp = pages[layout.val_name]
+    bs = kp.shape[2]
+    dev = q.device
+    q, k_new, v_new = _row_major(q), _row_major(k_new), _row_major(v_new)
+    bq = triton.next_power_of_2(max(1, meta.max_query_len))
+    while bq * gp > 64 and bq > 1:
+        bq //= 2
+    bq = max(bq, 16 // gp)  # tl.dot needs at least 16 rows
+    n_qblocks = triton.cdiv(max(1, meta.max_query_len), bq)
+    splits = num_splits or pick_splits(meta.num_reqs * hkv * n_qblocks, meta.max_seq_len, _num_sms(dev))
+    tiles = triton.cdiv(max(1, meta.max_seq_len), BLOCK_N)
+    split_n = triton.cdiv(tiles, splits) * BLOCK_N
+    splits = triton.cdiv(tiles * BLOCK_N, split_n)
+
+    qx = q
+    model_f32 = qx.dtype == torch.float32
+    q = (q.float() @ layout.key_rotation.T).view(T, hq, d)  # y = R x for row vectors
+    exact = bool(layout.sink or layout.window)
+    rotated = layout.rotated_values
+    npart = 2 if exact else 1  # exact values accumulate beside the sliced page accumulators
+    if out is None:
+        out = torch.empty_like(qx)
+    direct = splits == 1 and npart == 1 and not rotated
+    if direct:
+        part = out
+    else:
+        part = torch.empty((max(1, splits), T, hq, npart * d), device=dev, dtype=torch.float32)
+    lse = torch.empty((splits, T, hq), device=dev, dtype=torch.float32) if splits > 1 else part
+    if exact and (layout.window and ring is None or layout.sink and sinks is None):
+        raise ValueError("layout keeps exact copies but no ring / sink buffers were given")
+    rk, rv = ring if ring is not None else (k_new, v_new)
+    sk, sv = sinks if sinks is not None else (k_new, v_new)
+    ks = pages[layout.key_scale_name]
+    vs = pages[layout.val_scale_name]
+    vz = pages[layout.val_zero_name] if layout.val_zero_name else vs
+    kcb = layout.key_cb16
+    vcb = layout.val_cb16 if layout.val_cb16 is not None else kcb
+    kasm = _asm_for(layout, "k", layout.key_bits)
+    vasm = _asm_for(layout, "v", layout.val_bits) if layout.val_mode == CODEBOOK else ("", "", "", "")
+    sk_w, sv_w = slice_width(layout.key_bits), slice_width(layout.val_bits)
+    # The PRMT decoders read two int16 words (S = 4, 4-bit) per register; other widths gather.
+    kasm = kasm if sk_w == 4 else ("", "", "", "")
+    vasm = vasm if sv_w == 4 else ("", "", "", "")
+    stride_os = part.stride(0) if not direct else 0
+    grid = (n_qblocks, meta.num_reqs * hkv, splits)
+    _decode_kernel[grid](
+        q, qx, k_new, v_new, kp, ks, vp, vs, vz, kcb, vcb, rk, rv, sk, sv,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.seq_slots, meta.sink_slots,
+        part, lse,
+        q.stride(0), qx.stride(0), k_new.stride(0), v_new.stride(0), meta.block_tables.stride(0),
+        stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
+        split_n, scale * LOG2E,
+        HKV=hkv, G=group, GP=gp, D=d, BS=bs, BLOCK_Q=bq, BLOCK_N=BLOCK_N,
+        KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, SK=sk_w, SV=sv_w,
+        KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
+        VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
+        SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
+        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=1,
+    )  # fmt: skip
+    if splits > 1:
+        w = npart * d
+        red = out if npart == 1 and not rotated else torch.empty((T, hq, w), device=dev, dtype=torch.float32)
+        _split_reduce_kernel[(meta.num_tokens, hq)](
+            part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
+            W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
+        )  # fmt: skip
+        part = red
+    if rotated or npart == 2:
+        pr = part.view(-1, T, hq, npart, d)[0] if part.dim() == 4 else part.view(T, hq, npart, d)
+        res = pr[:, :, 0] @ layout.val_rotation if rotated else pr[:, :, 0]  # x = R^T y, for rows: y @ R
+        if npart == 2:
+            res = res + pr[:, :, 1]
+        out.copy_(res)
+    if meta.num_tokens < T:
+        out[meta.num_tokens :].zero_()
+    return out
