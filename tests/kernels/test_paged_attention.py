@@ -36,7 +36,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _check_one_step(preset, hq, hkv, d, ctx, qlens, bs=16, seed=0, num_splits=None, pad=0):
+def _check_one_step(preset, hq, hkv, d, ctx, qlens, bs=16, seed=0, num_splits=None, pad=0, q_scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
     nblocks = sum((c + q + bs - 1) // bs for c, q in zip(ctx, qlens)) + 4
@@ -44,7 +44,7 @@ def _check_one_step(preset, hq, hkv, d, ctx, qlens, bs=16, seed=0, num_splits=No
     store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
     fill_context(store, 0, meta, ctx, gen)
     t = meta.num_tokens + pad
-    q = torch.randn(t, hq, d, generator=gen).to(DEV, torch.bfloat16)
+    q = (torch.randn(t, hq, d, generator=gen) * q_scale).to(DEV, torch.bfloat16)
     k = torch.randn(t, hkv, d, generator=gen).to(DEV, torch.bfloat16)
     v = torch.randn(t, hkv, d, generator=gen).to(DEV, torch.bfloat16)
     mine = copy.deepcopy(store)
@@ -186,6 +186,16 @@ def test_extend_split_k_matches_reference(preset):
     _with_extend_cfg(
         _extend_cfg(True), lambda: _check_one_step(preset, 4, 1, 64, [120, 45], [21, 18], num_splits=3, seed=5, pad=1)
     )
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq4"])
+def test_extend_lazy_rescale_matches_reference(preset):
+    """Conditional accumulator rescaling (ExtendConfig.lazy) with large scores (queries x 8), so the
+    running max keeps growing by more than the threshold from tile to tile."""
+    from tqserve.attention import paged_extend
+
+    cfg = paged_extend.ExtendConfig(16, 16, 4, lazy=True)
+    _with_extend_cfg(cfg, lambda: _check_one_step(preset, 4, 1, 64, [140, 30], [37, 20], seed=9, pad=1, q_scale=8.0))
 
 
 @pytest.mark.gpu

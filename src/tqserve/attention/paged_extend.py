@@ -64,6 +64,7 @@ class ExtendConfig:
     rows: int  # query rows per program (query tokens x padded GQA group)
     block_n: int  # keys per tile
     num_warps: int
+    lazy: bool = False  # conditional accumulator rescaling
 
 
 # Benchmarks may pin a configuration to compare variants.
@@ -71,15 +72,17 @@ OVERRIDE: dict[str, ExtendConfig] = {}
 
 
 def extend_config(group: int, head_dim: int, exact: bool) -> ExtendConfig:
-    """Static launch configuration (no autotuning). The accumulator is rows x d fp32 in registers:
-    128 rows x d 128 on 8 warps compiles without spills (offline sm_90, triton 3.6: 252 registers
-    for 4bit_nc); 256 rows on 16 warps hit the 128-register cap and spill."""
+    """Static launch configuration (no autotuning). H200 sweep of 2026-11-26 (2048-token chunk over
+    32K, d 128, GQA 4; docs/benchmarks.md "Extend"): 256 rows x 64 keys on 16 warps beat 128 rows on
+    8 warps (4bit_nc 292 vs 241 TFLOP/s, tq4 189 vs 158) although it spills a little at the
+    128-register cap: each decoded tile serves twice the rows. d 256 keeps 64 rows x 32 keys on 8
+    warps (the accumulator is rows x d fp32 in registers)."""
     if "extend" in OVERRIDE:
         return OVERRIDE["extend"]
     dp = triton.next_power_of_2(head_dim)
     if dp >= 256:
         return ExtendConfig(64, 32, 8)
-    return ExtendConfig(128, 64, 8)
+    return ExtendConfig(256, 64, 16)
 
 
 @triton.jit
@@ -215,9 +218,23 @@ def _val_tile(vr, vsc, vze, vcb_ptr, VAL_MODE: tl.constexpr, VAL_BITS: tl.conste
 
 
 @triton.jit
-def _softmax_pv(acc, m_i, l_i, s, v, VT: tl.constexpr, PREC: tl.constexpr):
-    """Online softmax update with the masked scores s [BM, BN] (log2 domain) and value tile v."""
+def _softmax_pv(acc, m_i, l_i, s, v, VT: tl.constexpr, PREC: tl.constexpr, LAZY: tl.constexpr):
+    """Online softmax update with the masked scores s [BM, BN] (log2 domain) and value tile v.
+    LAZY: the accumulator is rescaled only when some row's running max grew by more than 8 (a
+    factor 256) since the last rescale (FlashAttention-4's conditional rescaling): until then
+    p = exp2(s - m_i) <= 256, exact in fp16 and harmless to the fp32 sums; one block-wide max
+    per tile instead of rows x d multiplies."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if LAZY:
+        if tl.max(m_new - m_i, 0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc += tl.dot(p.to(VT), v, input_precision=PREC)
+        return acc, m_i, l_i
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -233,7 +250,7 @@ def _page_tile(
     KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, KEY_SCALED: tl.constexpr,
     VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, VAL_SCALED: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, PAIRS: tl.constexpr,
-    KT: tl.constexpr, VT: tl.constexpr, PREC: tl.constexpr,
+    KT: tl.constexpr, VT: tl.constexpr, PREC: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
     """One key tile read from the pages. MASK: causal + key range + the keys a row reads exact
     (p < S or q - p < W; those come from `_exact_tile`)."""
@@ -248,7 +265,7 @@ def _page_tile(
             ok = ok & (qpos[:, None] - n[None, :] >= WINDOW)
         s = tl.where(ok, s, float("-inf"))
     v = _val_tile(vr, vsc, vze, vcb_ptr, VAL_MODE, VAL_BITS, VAL_SCALED, DP, BN, PAIRS, VT)
-    return _softmax_pv(acc, m_i, l_i, s, v, VT, PREC)
+    return _softmax_pv(acc, m_i, l_i, s, v, VT, PREC, LAZY)
 
 
 @triton.jit
@@ -258,7 +275,7 @@ def _exact_tile(
     seq_slot, sink_slot, kvh,
     HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, ROT_VALUES: tl.constexpr,
-    VT: tl.constexpr, XT: tl.constexpr, PREC: tl.constexpr,
+    VT: tl.constexpr, XT: tl.constexpr, PREC: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
     """Exact keys n0 .. n0 + BN - 1 within [n_lo, n_hi): sinks (p < S) and window (q - p < W)
     copies (`paged._load_exact`: fresh k / v, ring, sinks), scored against the unrotated query.
@@ -287,7 +304,7 @@ def _exact_tile(
         v = tl.dot(vx.to(VT), rt, input_precision=PREC).to(VT)  # y = x R^T
     else:
         v = vx.to(VT)
-    return _softmax_pv(acc, m_i, l_i, s, v, VT, PREC)
+    return _softmax_pv(acc, m_i, l_i, s, v, VT, PREC, LAZY)
 
 
 @triton.jit
@@ -347,6 +364,7 @@ def _extend_kernel(
     PREC: tl.constexpr,  # "ieee" for float32 models (no TF32 rounding), else "tf32" (unused by 16-bit dots)
     PAIRS: tl.constexpr = True,
     PREFETCH: tl.constexpr = True,
+    LAZY: tl.constexpr = False,  # conditional rescaling of the accumulator (`_softmax_pv`)
 ):
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -422,7 +440,7 @@ def _extend_kernel(
         acc, m_i, l_i = _page_tile(
             acc, m_i, l_i, qv, n0, kr, ksc, vr, vsc, vze, kcb_ptr, vcb_ptr, qpos, hi,
             DP, BLOCK_N, KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED,
-            SINK, WINDOW, True, PAIRS, KT, VT, PREC,
+            SINK, WINDOW, True, PAIRS, KT, VT, PREC, LAZY,
         )  # fmt: skip
 
     # ---- bulk: no masks, no exact copies; the next tile's packed words are loaded while this one
@@ -452,7 +470,7 @@ def _extend_kernel(
         acc, m_i, l_i = _page_tile(
             acc, m_i, l_i, qv, n0, kr, ksc, vr, vsc, vze, kcb_ptr, vcb_ptr, qpos, hi,
             DP, BLOCK_N, KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED,
-            SINK, WINDOW, False, PAIRS, KT, VT, PREC,
+            SINK, WINDOW, False, PAIRS, KT, VT, PREC, LAZY,
         )  # fmt: skip
 
     # ---- tail: keys near the diagonal (causal mask; window keys are read exact below)
@@ -465,7 +483,7 @@ def _extend_kernel(
         acc, m_i, l_i = _page_tile(
             acc, m_i, l_i, qv, n0, kr, ksc, vr, vsc, vze, kcb_ptr, vcb_ptr, qpos, hi,
             DP, BLOCK_N, KEY_MODE, KEY_BITS, KEY_SCALED, VAL_MODE, VAL_BITS, VAL_SCALED,
-            SINK, WINDOW, True, PAIRS, KT, VT, PREC,
+            SINK, WINDOW, True, PAIRS, KT, VT, PREC, LAZY,
         )  # fmt: skip
 
     # ---- exact copies: the sink keys of this split, then the window keys near the diagonal
@@ -480,7 +498,7 @@ def _extend_kernel(
                 acc, m_i, l_i = _exact_tile(
                     acc, m_i, l_i, qx, rt, lo, lo, tl.minimum(hi, SINK), qpos,
                     kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, ctx, q_start, stride_knt, stride_vnt,
-                    seq_slot, sink_slot, kvh, HKV, D, DP, BLOCK_N, SINK, WINDOW, ROT_VALUES, VT, XT, PREC,
+                    seq_slot, sink_slot, kvh, HKV, D, DP, BLOCK_N, SINK, WINDOW, ROT_VALUES, VT, XT, PREC, LAZY,
                 )  # fmt: skip
         if WINDOW > 0:
             w_lo = tl.maximum(lo, tl.maximum(SINK, q_min + 1 - WINDOW))
@@ -488,7 +506,7 @@ def _extend_kernel(
                 acc, m_i, l_i = _exact_tile(
                     acc, m_i, l_i, qx, rt, n0, w_lo, hi, qpos,
                     kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, ctx, q_start, stride_knt, stride_vnt,
-                    seq_slot, sink_slot, kvh, HKV, D, DP, BLOCK_N, SINK, WINDOW, ROT_VALUES, VT, XT, PREC,
+                    seq_slot, sink_slot, kvh, HKV, D, DP, BLOCK_N, SINK, WINDOW, ROT_VALUES, VT, XT, PREC, LAZY,
                 )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -605,7 +623,7 @@ def extend_attention(
         VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, VAL_SCALED=layout.val_scaled,
         SINK=layout.sink, WINDOW=layout.window, SPLIT=splits > 1,
         DOT_F32=dot_f32, PREC="ieee" if model_f32 else "tf32", PAIRS=pairs,
-        PREFETCH=FAST["prefetch"], num_warps=cfg.num_warps, num_stages=1,
+        PREFETCH=FAST["prefetch"], LAZY=cfg.lazy, num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
     if splits > 1:
         red = out if not rotated else torch.empty((T, hq, d), device=dev, dtype=torch.float32)
