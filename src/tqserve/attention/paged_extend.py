@@ -121,14 +121,15 @@ def _tree8_t(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr, DP: tl.constexpr)
 @triton.jit
 def _centroids_t(w, tbl, BITS: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, PAIRS: tl.constexpr):
     """fp16 centroids [BN, DP] of codebook indices from group-major words: through the pair table
-    (b <= 4, `paged._pairs`), else one fp16 codebook gather per coordinate."""
+    (b <= 5: 4^b int32 entries of two fp16 centroids, `paged._pairs`; 4 KB at 5 bits), else one fp16
+    codebook gather per coordinate."""
     w = _widen(w, BITS)
-    if PAIRS and BITS <= 4:
+    if PAIRS and BITS <= 5:
         PM: tl.constexpr = (1 << (2 * BITS)) - 1
-        t0 = tl.load(tbl + (w & PM))
-        t1 = tl.load(tbl + ((w >> (2 * BITS)) & PM))
-        t2 = tl.load(tbl + ((w >> (4 * BITS)) & PM))
-        t3 = tl.load(tbl + ((w >> (6 * BITS)) & PM))
+        t0 = tl.load(tbl + (w & PM).to(tl.int32))
+        t1 = tl.load(tbl + ((w >> (2 * BITS)) & PM).to(tl.int32))
+        t2 = tl.load(tbl + ((w >> (4 * BITS)) & PM).to(tl.int32))
+        t3 = tl.load(tbl + ((w >> (6 * BITS)) & PM).to(tl.int32))
         x = _as_f16(_tree8_t(t0, t0 >> 16, t1, t1 >> 16, t2, t2 >> 16, t3, t3 >> 16, BN, DP))
     else:
         M: tl.constexpr = (1 << BITS) - 1
@@ -533,6 +534,25 @@ def _rotation_t(rot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ent[1][dtype]
 
 
+_PAIRS_CACHE: dict = {}  # id(codebook) -> (weakref to it, pair table)
+
+
+def _key_pairs(layout: PageLayout) -> torch.Tensor | None:
+    """Pair table of the key codebook: the layout's for b <= 4, built here (once per codebook) for
+    5-bit keys (1024 entries), None above."""
+    if layout.key_pairs is not None or layout.key_bits != 5 or layout.key_codebook is None:
+        return layout.key_pairs
+    cb = layout.key_codebook
+    ent = _PAIRS_CACHE.get(id(cb))
+    if ent is None or ent[0]() is not cb:
+        for k in [k for k, (ref, _) in _PAIRS_CACHE.items() if ref() is None]:
+            del _PAIRS_CACHE[k]
+        h = cb.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+        p = torch.arange(1024, device=cb.device)
+        ent = _PAIRS_CACHE[id(cb)] = (weakref.ref(cb), (h[p % 32] | (h[p // 32] << 16)).to(torch.int32).contiguous())
+    return ent[1]
+
+
 def extend_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -603,7 +623,8 @@ def extend_attention(
     vs = pages[layout.val_scale_name] if layout.val_scale_name else dummy
     vz = pages[layout.val_zero_name] if layout.val_zero_name else dummy
     pairs = FAST["pairs"]
-    kcb = layout.key_pairs if pairs and layout.key_pairs is not None else layout.key_cb16
+    kpairs = _key_pairs(layout) if pairs else None
+    kcb = kpairs if kpairs is not None else layout.key_cb16
     vcb = layout.val_pairs if pairs and layout.val_pairs is not None else layout.val_cb16
     kcb = kcb if kcb is not None else dummy
     vcb = vcb if vcb is not None else dummy

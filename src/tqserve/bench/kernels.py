@@ -184,34 +184,44 @@ def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=(), 
     for p in presets:
         c = Case(p, 1, ctx, chunk, hq, hkv, d, dev)
         one(f"paged {p} extend {chunk} over {ctx}", c)
+        ref = None
         if p in old and c.layout.packed:
             new = c.run().float().clone()
             paged_extend.ENABLED = False
             try:
                 one(f"paged {p} extend {chunk} over {ctx} (paged.py kernel)", c)
-                ref = c.run().float()
+                ref = c.run().float().clone()
             finally:
                 paged_extend.ENABLED = True
             err = float((new - ref).norm() / ref.norm())
             rows[-1]["rel_err_vs_extend_kernel"] = err
             print(f"    extend kernel vs paged.py kernel on the same pages: rel err {err:.2e}", flush=True)
+
+        def check(c=c, ref=ref):
+            if ref is not None:
+                err = float((c.run().float() - ref).norm() / ref.norm())
+                rows[-1]["rel_err_vs_paged_py"] = err
+                print(f"    vs paged.py kernel: rel err {err:.2e}", flush=True)
+
         if p in sweep and c.layout.packed:
             from tqserve.attention.paged import FAST
 
             FAST["prefetch"] = False
             try:
                 one(f"  sweep {p} default tiles, no register prefetch", c)
+                check()
             finally:
                 FAST["prefetch"] = True
             for cfg in (
-                paged_extend.ExtendConfig(128, 32, 8),
-                paged_extend.ExtendConfig(64, 64, 4),
+                paged_extend.ExtendConfig(128, 64, 8),
+                paged_extend.ExtendConfig(256, 32, 16),
+                paged_extend.ExtendConfig(256, 64, 16, lazy=True),
                 paged_extend.ExtendConfig(128, 128, 8),
-                paged_extend.ExtendConfig(256, 64, 16),
             ):
                 paged_extend.OVERRIDE["extend"] = cfg
                 try:
-                    one(f"  sweep {p} rows={cfg.rows} bn={cfg.block_n} w={cfg.num_warps}", c)
+                    one(f"  sweep {p} rows={cfg.rows} bn={cfg.block_n} w={cfg.num_warps} lazy={int(cfg.lazy)}", c)
+                    check()
                 except Exception as e:  # out of resources: report and go on
                     print(f"  sweep {p} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
                 finally:
