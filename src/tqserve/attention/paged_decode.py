@@ -40,24 +40,28 @@ from tqserve.attention.paged import (
 from tqserve.attention.tuning import group_pad
 
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
+PRMT = True  # GPU: 4-bit codebook slices by PRMT lookups (False: fp16 gathers, as in the interpreter)
 BLOCK_N = 64
 NUM_WARPS = 4
 
 
-def slice_width(bits: int) -> int:
-    """Coordinates per packed word: 4 for 2- and 4-bit codes (an int8 / int16 word), else the
-    8-index group of `b` bytes."""
-    return 4 if bits in (2, 4) else 8
+S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
 def eligible(layout, max_query_len: int, head_dim: int) -> bool:
-    """Decode / verify over codebook keys and codebook / min-max values, power-of-two head sizes with
-    at least 16 words per token (the K of a tensor-core dot)."""
-    if not ENABLED or max_query_len > 16 or layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
+    """Decode steps (one query token per request) over codebook keys and codebook / min-max values
+    whose codes come in 4-coordinate words (2- and 4-bit), power-of-two head sizes with at least 16
+    words per token (the K of a tensor-core dot).
+
+    Chosen by measurement (H200, 32 x 32K, docs/benchmarks.md): faster than the general kernel for
+    4-bit keys with 4- / 2-bit values (1.2-1.6x); slower with 8-coordinate groups (3- and 5-bit
+    codes: byte-joined words, 8 slices, spills) and for verify steps (rows of 5 tokens x the group).
+    """
+    if not ENABLED or max_query_len != 1 or layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
         return False
-    if head_dim & (head_dim - 1) or not (1 <= layout.key_bits <= 8 and 1 <= layout.val_bits <= 8):
+    if head_dim & (head_dim - 1) or layout.key_bits not in (2, 4) or layout.val_bits not in (2, 4):
         return False
-    return head_dim // slice_width(layout.key_bits) >= 16 and head_dim // slice_width(layout.val_bits) >= 16
+    return head_dim // S >= 16
 
 
 # ---- 4-bit codebook slices by PRMT lookups (GPU only) -------------------------------------------
@@ -117,8 +121,9 @@ def _prmt(w, ASM: tl.constexpr):
 def _words(
     ptr, tokp, nmask, BITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr, TRANS: tl.constexpr, RAW: tl.constexpr
 ):
-    """Packed words of S indices each: [D // S, BN] (TRANS) or [BN, D // S], int32 (int64 above 32
-    bits); RAW keeps the loaded int16 words (the PRMT path packs two of them per register)."""
+    """Packed words of S indices each (an int8 word of 2-bit codes, an int16 word of 4-bit codes):
+    [D // S, BN] (TRANS) or [BN, D // S] int32; RAW keeps the loaded int16 words (the PRMT path packs
+    two of them per register)."""
     K: tl.constexpr = D // S
     WB: tl.constexpr = S * BITS // 8  # bytes per word
     NB: tl.constexpr = D * BITS // 8  # bytes per token
@@ -133,22 +138,10 @@ def _words(
         m = nmask[:, None]
     if WB == 1:
         w = tl.load(ptr + row * NB + kk, mask=m, other=0).to(tl.int32)
-    elif WB == 2:
+    else:
         w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + row * (NB // 2) + kk, mask=m, other=0)
         if not RAW:
             w = w.to(tl.int32) & 0xFFFF
-    elif WB == 4:
-        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + row * (NB // 4) + kk, mask=m, other=0)
-    else:  # a b-byte group of 8 odd-width indices, joined from byte loads
-        base = ptr + row * NB + kk * WB
-        if WB < 4:
-            w = tl.load(base, mask=m, other=0).to(tl.int32)
-            for i in tl.static_range(1, WB):
-                w = w | (tl.load(base + i, mask=m, other=0).to(tl.int32) << (8 * i))
-        else:
-            w = tl.load(base, mask=m, other=0).to(tl.int64)
-            for i in tl.static_range(1, WB):
-                w = w | (tl.load(base + i, mask=m, other=0).to(tl.int64) << (8 * i))
     return w
 
 
@@ -224,7 +217,7 @@ def _decode_kernel(
     split_n, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SW: tl.constexpr,
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr,
@@ -260,16 +253,11 @@ def _decode_kernel(
         dot_t = kn_ptr.dtype.element_ty
         pk_t = tl.float16
 
-    KV: tl.constexpr = D // SV
-    q0 = _q_slice(q_ptr, tok, hq, row_ok, 0, qk_scale, stride_qt, SK, D, pk_t)
-    q1 = _q_slice(q_ptr, tok, hq, row_ok, 1, qk_scale, stride_qt, SK, D, pk_t)
-    q2 = _q_slice(q_ptr, tok, hq, row_ok, 2, qk_scale, stride_qt, SK, D, pk_t)
-    q3 = _q_slice(q_ptr, tok, hq, row_ok, 3, qk_scale, stride_qt, SK, D, pk_t)
-    if SK == 8:
-        q4 = _q_slice(q_ptr, tok, hq, row_ok, 4, qk_scale, stride_qt, SK, D, pk_t)
-        q5 = _q_slice(q_ptr, tok, hq, row_ok, 5, qk_scale, stride_qt, SK, D, pk_t)
-        q6 = _q_slice(q_ptr, tok, hq, row_ok, 6, qk_scale, stride_qt, SK, D, pk_t)
-        q7 = _q_slice(q_ptr, tok, hq, row_ok, 7, qk_scale, stride_qt, SK, D, pk_t)
+    KV: tl.constexpr = D // SW
+    q0 = _q_slice(q_ptr, tok, hq, row_ok, 0, qk_scale, stride_qt, SW, D, pk_t)
+    q1 = _q_slice(q_ptr, tok, hq, row_ok, 1, qk_scale, stride_qt, SW, D, pk_t)
+    q2 = _q_slice(q_ptr, tok, hq, row_ok, 2, qk_scale, stride_qt, SW, D, pk_t)
+    q3 = _q_slice(q_ptr, tok, hq, row_ok, 3, qk_scale, stride_qt, SW, D, pk_t)
     if HAS_EXACT:
         d = tl.arange(0, D)
         qx = tl.load(qx_ptr + tok[:, None] * stride_qxt + hq[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -288,10 +276,6 @@ def _decode_kernel(
     a1 = tl.zeros([BM, KV], dtype=tl.float32)
     a2 = tl.zeros([BM, KV], dtype=tl.float32)
     a3 = tl.zeros([BM, KV], dtype=tl.float32)
-    a4 = tl.zeros([BM, KV], dtype=tl.float32)
-    a5 = tl.zeros([BM, KV], dtype=tl.float32)
-    a6 = tl.zeros([BM, KV], dtype=tl.float32)
-    a7 = tl.zeros([BM, KV], dtype=tl.float32)
     if NPART == 2:
         accx = tl.zeros([BM, D], dtype=tl.float32)  # exact values (unrotated), a second output part
     vsum = tl.zeros([BM], dtype=tl.float32)  # min-max: sum of p * (zero + h * scale)
@@ -300,9 +284,9 @@ def _decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
         tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
-        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, True, KRAW)
+        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, True, KRAW)
         ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, False, VRAW)
+        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, False, VRAW)
         vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
 
         # ---- scores against the packed keys: one K = d / S dot per slice
@@ -310,11 +294,6 @@ def _decode_kernel(
         s = tl.dot(q1, _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), s, input_precision=PREC)
         s = tl.dot(q2, _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), s, input_precision=PREC)
         s = tl.dot(q3, _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t), s, input_precision=PREC)
-        if SK == 8:
-            s = tl.dot(q4, _cb_slice(kw, 4, kcb_ptr, KEY_BITS, "", pk_t), s, input_precision=PREC)
-            s = tl.dot(q5, _cb_slice(kw, 5, kcb_ptr, KEY_BITS, "", pk_t), s, input_precision=PREC)
-            s = tl.dot(q6, _cb_slice(kw, 6, kcb_ptr, KEY_BITS, "", pk_t), s, input_precision=PREC)
-            s = tl.dot(q7, _cb_slice(kw, 7, kcb_ptr, KEY_BITS, "", pk_t), s, input_precision=PREC)
         s = s * ksc[None, :]
         if HAS_EXACT:
             tile_exact = (n0 < SINK) | (n0 + BLOCK_N - 1 > q_min - WINDOW)
@@ -367,24 +346,14 @@ def _decode_kernel(
         a1 = _acc_update(a1, alpha, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
         a2 = _acc_update(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
         a3 = _acc_update(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
-        if SV == 8:
-            a4 = _acc_update(a4, alpha, pv, vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, "", pk_t, PREC)
-            a5 = _acc_update(a5, alpha, pv, vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, "", pk_t, PREC)
-            a6 = _acc_update(a6, alpha, pv, vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, "", pk_t, PREC)
-            a7 = _acc_update(a7, alpha, pv, vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, "", pk_t, PREC)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     vs = vsum[:, None]
     obase = out_ptr + pid_s * stride_os + tok[:, None] * stride_ot + hq[:, None] * (NPART * D)
-    _store_slice(obase, a0 + vs, l_safe, row_ok, 0, SV, D)
-    _store_slice(obase, a1 + vs, l_safe, row_ok, 1, SV, D)
-    _store_slice(obase, a2 + vs, l_safe, row_ok, 2, SV, D)
-    _store_slice(obase, a3 + vs, l_safe, row_ok, 3, SV, D)
-    if SV == 8:
-        _store_slice(obase, a4 + vs, l_safe, row_ok, 4, SV, D)
-        _store_slice(obase, a5 + vs, l_safe, row_ok, 5, SV, D)
-        _store_slice(obase, a6 + vs, l_safe, row_ok, 6, SV, D)
-        _store_slice(obase, a7 + vs, l_safe, row_ok, 7, SV, D)
+    _store_slice(obase, a0 + vs, l_safe, row_ok, 0, SW, D)
+    _store_slice(obase, a1 + vs, l_safe, row_ok, 1, SW, D)
+    _store_slice(obase, a2 + vs, l_safe, row_ok, 2, SW, D)
+    _store_slice(obase, a3 + vs, l_safe, row_ok, 3, SW, D)
     if NPART == 2:
         d2 = tl.arange(0, D)
         tl.store(obase + D + d2[None, :], (accx / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -396,7 +365,7 @@ def _decode_kernel(
 def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
     """PRMT slice decoders for a 4-bit codebook side on the GPU, else empty strings (gathers)."""
     cb16 = layout.key_cb16 if side == "k" else layout.val_cb16
-    if _interpreting() or bits != 4 or cb16 is None or not cb16.is_cuda:
+    if _interpreting() or not PRMT or bits != 4 or cb16 is None or not cb16.is_cuda:
         return ("", "", "", "")
     cache = layout.__dict__.setdefault("_prmt_cache", {})
     if side not in cache:
@@ -462,10 +431,6 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     vcb = layout.val_cb16 if layout.val_cb16 is not None else kcb
     kasm = _asm_for(layout, "k", layout.key_bits)
     vasm = _asm_for(layout, "v", layout.val_bits) if layout.val_mode == CODEBOOK else ("", "", "", "")
-    sk_w, sv_w = slice_width(layout.key_bits), slice_width(layout.val_bits)
-    # The PRMT decoders read two int16 words (S = 4, 4-bit) per register; other widths gather.
-    kasm = kasm if sk_w == 4 else ("", "", "", "")
-    vasm = vasm if sv_w == 4 else ("", "", "", "")
     stride_os = part.stride(0) if not direct else 0
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
     _decode_kernel[grid](
@@ -476,7 +441,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
         split_n, scale * LOG2E,
         HKV=hkv, G=group, GP=gp, D=d, BS=bs, BLOCK_Q=bq, BLOCK_N=BLOCK_N,
-        KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, SK=sk_w, SV=sv_w,
+        KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, SW=S,
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
