@@ -198,6 +198,15 @@ def test_extend_lazy_rescale_matches_reference(preset):
     _with_extend_cfg(cfg, lambda: _check_one_step(preset, 4, 1, 64, [140, 30], [37, 20], seed=9, pad=1, q_scale=8.0))
 
 
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "tq3"])
+def test_extend_no_prefetch_matches_reference(preset):
+    """The bulk loop without register double buffering (ExtendConfig.prefetch=False)."""
+    from tqserve.attention import paged_extend
+
+    cfg = paged_extend.ExtendConfig(16, 16, 4, prefetch=False)
+    _with_extend_cfg(cfg, lambda: _check_one_step(preset, 8, 2, 64, [130, 17], [40, 25], seed=13, pad=2))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "preset,hq,hkv,d",

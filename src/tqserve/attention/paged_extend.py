@@ -65,6 +65,7 @@ class ExtendConfig:
     block_n: int  # keys per tile
     num_warps: int
     lazy: bool = False  # conditional accumulator rescaling
+    prefetch: bool = True  # register double buffering of the bulk loop's packed tiles
 
 
 # Benchmarks may pin a configuration to compare variants.
@@ -72,11 +73,13 @@ OVERRIDE: dict[str, ExtendConfig] = {}
 
 
 def extend_config(group: int, head_dim: int, exact: bool) -> ExtendConfig:
-    """Static launch configuration (no autotuning). H200 sweep of 2026-11-26 (2048-token chunk over
+    """Static launch configuration (no autotuning). H200 sweeps of 2026-11-26 (2048-token chunk over
     32K, d 128, GQA 4; docs/benchmarks.md "Extend"): 256 rows x 64 keys on 16 warps beat 128 rows on
-    8 warps (4bit_nc 292 vs 241 TFLOP/s, tq4 189 vs 158) although it spills a little at the
-    128-register cap: each decoded tile serves twice the rows. d 256 keeps 64 rows x 32 keys on 8
-    warps (the accumulator is rows x d fp32 in registers)."""
+    8 warps (4bit_nc 293 vs 241 TFLOP/s, tq4 188 vs 151) although it spills a little at the
+    128-register cap: each decoded tile serves twice the rows. Measured in the same run, not yet the
+    default (not measured for every preset): without the register prefetch 4bit_nc 299, tq4 218;
+    lazy rescaling 4bit_nc 325 but tq4 158. d 256 keeps 64 rows x 32 keys on 8 warps (the
+    accumulator is rows x d fp32 in registers)."""
     if "extend" in OVERRIDE:
         return OVERRIDE["extend"]
     dp = triton.next_power_of_2(head_dim)
@@ -644,7 +647,7 @@ def extend_attention(
         VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, VAL_SCALED=layout.val_scaled,
         SINK=layout.sink, WINDOW=layout.window, SPLIT=splits > 1,
         DOT_F32=dot_f32, PREC="ieee" if model_f32 else "tf32", PAIRS=pairs,
-        PREFETCH=FAST["prefetch"], LAZY=cfg.lazy, num_warps=cfg.num_warps, num_stages=1,
+        PREFETCH=cfg.prefetch and FAST["prefetch"], LAZY=cfg.lazy, num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
     if splits > 1:
         red = out if not rotated else torch.empty((T, hq, d), device=dev, dtype=torch.float32)
