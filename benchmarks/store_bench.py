@@ -6,8 +6,7 @@ Bytes per call are the fewest the store must move (as `tqserve bench kernels` co
 bf16 K and V it reads, the page bytes it writes (indices, fp8 or bf16 payload, scales, zeros) and
 the int64 slot mapping. `--old label=path` times other copies of the kernel module side by side
 (committed versions, for before / after numbers on the same card in the same process); `--sweep`
-also times other launch shapes (tokens per program x warps; for TurboQuant, programs that walk
-several token blocks, n per SM) for the presets it names.
+also times other launch shapes (tokens per program x warps) for the presets it names.
 Times are medians of CUDA-graph replays.
 """
 
@@ -76,16 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             cases.append((label, mod, plan, {}))
             tq = mod.TQ in {s[0] for s in plan.sides}
             if preset in args.sweep.split(",") and label != "old":
-                shapes = [(16, 4), (32, 4), (64, 4), (64, 8)] if tq else [(32, 4), (64, 4)]
+                shapes = [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8)] if tq else [(32, 4), (64, 4)]
                 for bt, nw in shapes:
                     cases.append((f"{label} bt{bt} w{nw}", mod, plan, {"block_tokens": bt, "num_warps": nw}))
-                if tq and label == "new":
-                    # fewer programs than token blocks (each walks several; rotation matrices loaded
-                    # once), n programs per SM in all, optionally software-pipelined
-                    nsm = torch.cuda.get_device_properties(dev).multi_processor_count
-                    for n, st in [(2, 1), (4, 1), (8, 1), (4, 2)]:
-                        kw = {"programs": max(1, nsm * n // hkv), "stages": st}
-                        cases.append((f"new {n}/SM st{st}", mod, plan, kw))
+                if tq and label == "new":  # rotation tiles of 32 columns instead of 64
+                    cases.append(("new W32", mod, mod.StorePlan(fmt, dev, wmax=32), {}))
+                    cases.append(("new W32 bt32", mod, mod.StorePlan(fmt, dev, wmax=32), {"block_tokens": 32}))
         for label, mod, pl, kw in cases:
             try:
                 ms = _time(lambda mod=mod, pl=pl, kw=kw, p=pages, k=k, v=v, s=slots: mod.store_kv(p, pl, k, v, s, **kw))

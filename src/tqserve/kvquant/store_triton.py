@@ -261,40 +261,12 @@ def _tq_pick(dot, cc, g, best_cos, best_g, best_dot, best_cc):
 
 
 @triton.jit
-def _load_had(had_ptr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
-              O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr):  # fmt: skip
-    """The sign-folded Hadamard matrices of the rotation tiles (tile at column offset o: W x W or
-    Wi x Wi at had_ptr + o * W), loaded once per program: (first block's G0 tiles, the tails);
-    absent tiles repeat the first."""
-    r = tl.arange(0, W)
-    h0 = tl.load(had_ptr + r[:, None] * W + r[None, :])
-    h1 = h0
-    h2 = h0
-    h3 = h0
-    if G0 > 1:
-        h1 = tl.load(had_ptr + W * W + r[:, None] * W + r[None, :])
-    if G0 > 2:
-        h2 = tl.load(had_ptr + 2 * W * W + r[:, None] * W + r[None, :])
-        h3 = tl.load(had_ptr + 3 * W * W + r[:, None] * W + r[None, :])
-    ht1 = h0
-    ht2 = h0
-    ht3 = h0
-    if NT > G0:
-        r1 = tl.arange(0, W1)
-        ht1 = tl.load(had_ptr + O1 * W + r1[:, None] * W1 + r1[None, :])
-    if NT > G0 + 1:
-        r2 = tl.arange(0, W2)
-        ht2 = tl.load(had_ptr + O2 * W + r2[:, None] * W2 + r2[None, :])
-    if NT > G0 + 2:
-        r3 = tl.arange(0, W3)
-        ht3 = tl.load(had_ptr + O3 * W + r3[:, None] * W3 + r3[None, :])
-    return h0, h1, h2, h3, ht1, ht2, ht3
-
-
-@triton.jit
-def _rot_tile(x_ptr, xrow, tok_ok, hm, col0, W: tl.constexpr, NSPLIT: tl.constexpr):
-    """z = x[:, col0:col0 + W] @ hm (= diag(s) H_W of this tile) with a float32 accumulator."""
+def _rot_tile(x_ptr, xrow, tok_ok, had_ptr, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
+    """z = x[:, col0:col0 + W] @ (diag(s) H_W) with a float32 accumulator, and the rows' sum of z^2
+    (= W * sum of x^2 there). The sign-folded matrix of this tile sits at had_ptr + col0 * HS."""
     c = col0 + tl.arange(0, W)
+    r = tl.arange(0, W)
+    hm = tl.load(had_ptr + col0 * HS + r[:, None] * W + r[None, :])
     x = tl.load(x_ptr + xrow[:, None] + c[None, :], mask=tok_ok[:, None], other=0.0)
     if NSPLIT == 0:
         # the CPU interpreter's bf16 dot is wrong: same exact products and float32 sums there
@@ -316,7 +288,7 @@ def _rot_tile(x_ptr, xrow, tok_ok, hm, col0, W: tl.constexpr, NSPLIT: tl.constex
 
 @triton.jit
 def _tq_side(
-    x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, hms, gain_ptr,
+    x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr,
     NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr,
@@ -335,24 +307,24 @@ def _tq_side(
     tiles; each row keeps the gain of the largest cosine (first maximum wins), and its indices are
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
     # same-width tiles are summed elementwise before one row reduction (they cross warps)
-    z0 = _rot_tile(x_ptr, xrow, tok_ok, hms[0], 0, W, NSPLIT)
+    z0 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 0, W, W, NSPLIT)
     sq = z0 * z0
     if G0 > 1:
-        z1 = _rot_tile(x_ptr, xrow, tok_ok, hms[1], W, W, NSPLIT)
+        z1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, W, W, W, NSPLIT)
         sq += z1 * z1
     if G0 > 2:
-        z2 = _rot_tile(x_ptr, xrow, tok_ok, hms[2], 2 * W, W, NSPLIT)
-        z3 = _rot_tile(x_ptr, xrow, tok_ok, hms[3], 3 * W, W, NSPLIT)
+        z2 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 2 * W, W, W, NSPLIT)
+        z3 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 3 * W, W, W, NSPLIT)
         sq += z2 * z2 + z3 * z3
     ss = tl.sum(sq, 1) * (1.0 / W)
     if NT > G0:
-        t1 = _rot_tile(x_ptr, xrow, tok_ok, hms[4], O1, W1, NSPLIT)
+        t1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O1, W1, W, NSPLIT)
         ss += tl.sum(t1 * t1, 1) * (1.0 / W1)
     if NT > G0 + 1:
-        t2 = _rot_tile(x_ptr, xrow, tok_ok, hms[5], O2, W2, NSPLIT)
+        t2 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O2, W2, W, NSPLIT)
         ss += tl.sum(t2 * t2, 1) * (1.0 / W2)
     if NT > G0 + 2:
-        t3 = _rot_tile(x_ptr, xrow, tok_ok, hms[6], O3, W3, NSPLIT)
+        t3 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O3, W3, W, NSPLIT)
         ss += tl.sum(t3 * t3, 1) * (1.0 / W3)
     n = tl.sqrt(ss)
     rn = 1.0 / tl.maximum(n, 1e-30)
@@ -463,7 +435,7 @@ def _tq_side(
 
 @triton.jit
 def _store_side(
-    x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, hms,
+    x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
     NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr, NSPLIT: tl.constexpr,
@@ -475,7 +447,7 @@ def _store_side(
     t = t0 + tl.arange(0, BT)
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
-        _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, hms, gain_ptr,
+        _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
                  BITS, SCALE_MODE, GS, NCELL, HALFC, CS, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
                  O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
     else:
@@ -564,28 +536,22 @@ def _store_kv_kernel(
     SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
-    SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr, NSTAGE: tl.constexpr,
+    SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
 ):  # fmt: skip
-    """Grid (programs, KV heads): each program walks the token blocks pid, pid + programs, ...
-    (a grid of cdiv(T, BT) programs takes one each), with the rotation matrices loaded once."""
+    t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
-    if KMODE == 1 or VMODE == 1:
-        hms = _load_had(had_ptr, W, G0, NT, O1, W1, O2, W2, O3, W3)
-    else:
-        hms = (0, 0, 0, 0, 0, 0, 0)
-    for t0 in tl.range(tl.program_id(0) * BT, T, tl.num_programs(0) * BT, num_stages=NSTAGE):
-        t = t0 + tl.arange(0, BT)
-        slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
-        ok = slot >= 0
-        # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
-        slot = tl.where(ok, slot, 0).to(tl.uint32)
-        tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
-        _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
-                    hms, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, SEARCH, NGAIN,
-                    NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
-        _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
-                    hms, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, SEARCH, NGAIN,
-                    NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+    t = t0 + tl.arange(0, BT)
+    slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
+    ok = slot >= 0
+    # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
+    slot = tl.where(ok, slot, 0).to(tl.uint32)
+    tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
+    _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
+                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, SEARCH, NGAIN,
+                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+    _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
+                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, SEARCH, NGAIN,
+                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
 
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
@@ -747,11 +713,11 @@ class StorePlan:
 
 
 def _launch_shape(plan: StorePlan) -> tuple[int, int]:
-    """(tokens per program, warps), from the H200 sweep in docs/benchmarks.md (store): one
-    TurboQuant side with word-packed indices (b = 2, 4) runs best at 32 tokens (more programs per
-    SM: the kernel is latency-bound at 130-250 registers a thread), the rest at 64; other presets
-    at 16 (32 and 64 measured no faster). The gain search (~50 quantizations per element) runs best
-    at 16 tokens (H200: tq4s 4.35 ms vs 4.88 at 64, tq3s 3.24 vs 3.70)."""
+    """(tokens per program, warps), from the H200 sweeps in docs/benchmarks.md (store): one
+    TurboQuant side with word-packed indices (b = 2, 4) at 32 tokens (4bit_nc 0.062 ms vs 0.067 at
+    16 and 0.065 at 64 x 8 warps), the rest at 64 (tq4 0.104 ms vs 0.121-0.127 at 16 / 32 / 64 x 8 /
+    128 x 8); other presets at 16 (32 and 64 measured no faster). The gain search (~50
+    quantizations per element) at 16 tokens (earlier kernel: tq4s 4.35 ms vs 4.88 at 64)."""
     tq = [g for s, g in zip(plan.sides, plan.group) if s[0] in (TQ, TQ_DENSE)]
     if not tq or plan.search:
         return 16, 4
@@ -768,13 +734,9 @@ def store_kv(
     slot_mapping: torch.Tensor,
     block_tokens: int | None = None,
     num_warps: int | None = None,
-    programs: int | None = None,
-    stages: int = 1,
 ) -> None:
     """Quantize and write k, v [T, Hkv, d] into page slots [T] (negative = skip), one launch.
-    `block_tokens` / `num_warps` override the launch shape, `programs` caps the programs per KV
-    head (each then walks several token blocks; default: one program per block), `stages` the
-    software-pipelining depth of that walk (benchmark sweeps)."""
+    `block_tokens` / `num_warps` override the launch shape (benchmark sweeps)."""
     T, hkv, d = k.shape
     if k.stride(-1) != 1 or k.stride(-2) != d:
         k = k.contiguous()
@@ -804,7 +766,7 @@ def store_kv(
         w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16, 1.0)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
-    grid = (min(triton.cdiv(T, bt), programs or T), hkv)
+    grid = (triton.cdiv(T, bt), hkv)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
@@ -815,5 +777,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], SC0=1.0 / math.sqrt(w * g0), SC1=rest[0][2], SC2=rest[1][2],
-        SC3=rest[2][2], NSTAGE=stages, num_warps=warps,
+        SC3=rest[2][2], num_warps=warps,
     )  # fmt: skip
