@@ -1,0 +1,87 @@
+"""Device A/B of the decode kernels: the sliced kernel (attention/paged_decode.py) against the general
+one (attention/paged.py, `paged_decode.ENABLED = False`) on the same pages, SDPA as the baseline, all
+in one process on one card; real-size reference checks of decode / verify batches first.
+
+PYTHONPATH=src:tests python benchmarks/decode_ab.py [--presets P,...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+
+from test_paged_attention import _check_one_step  # noqa: E402
+
+from tqserve.attention import paged_decode  # noqa: E402
+from tqserve.bench.kernels import Case, _bench, copy_bandwidth, sdpa_decode_ms  # noqa: E402
+
+PRESETS = "turboquant_4bit_nc,turboquant_3bit_nc,tq4,tq3,tq4s,tq3s,tq_k4v4_nc"
+CHECKS = [
+    ("turboquant_4bit_nc", 32, 8, 128), ("turboquant_3bit_nc", 32, 8, 128), ("tq4", 32, 8, 128), ("tq3", 32, 8, 128),
+    ("tq4s", 32, 8, 128), ("turboquant_4bit_nc", 9, 3, 64), ("tq3", 28, 4, 128), ("tq_k4v4_nc", 16, 2, 256),
+]  # fmt: skip
+ROWS: list[dict] = []
+
+
+def row(**kw) -> None:
+    ROWS.append(kw)
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()), flush=True)
+
+
+def checks() -> None:
+    batches = {"decode": ([9000, 3000, 17, 1], [1, 1, 1, 1]), "verify": ([5000, 2047, 64], [5, 5, 5])}
+    for preset, hq, hkv, d in CHECKS:
+        for name, (ctx, ql) in batches.items():
+            try:
+                _check_one_step(preset, hq, hkv, d, ctx, ql, seed=1)
+                msg = "ok"
+            except AssertionError as e:
+                msg = "FAIL " + str(e).splitlines()[0][:200]
+            row(check=preset, shape=f"{hq}/{hkv}/{d}", case=name, result=msg)
+
+
+def ab(presets: list[str], dev) -> None:
+    bw = copy_bandwidth(dev)
+    row(copy_GBps=bw)
+    hq, hkv, d = 32, 8, 128
+    for n_req, ctx, ql in [(32, 32768, 1), (1, 131072, 1), (32, 32768, 5)]:
+        shape = f"{n_req}x{ql}x{ctx}"
+        sd = sdpa_decode_ms(n_req, ctx, ql, hq, hkv, d, dev)[0]
+        row(shape=shape, preset="sdpa", ms=sd)
+        for p in presets:
+            c = Case(p, n_req, ctx, ql, hq, hkv, d, dev)
+            paged_decode.ENABLED = False
+            old = _bench(c.run)
+            c.run()
+            ref = c.out.float().clone()
+            paged_decode.ENABLED = True
+            new = _bench(c.run)
+            c.run()
+            err = float((c.out.float() - ref).norm() / ref.norm())
+            row(shape=shape, preset=p, general_ms=old, sliced_ms=new, speedup=old / new, sliced_vs_sdpa=sd / new,
+                of_copy=c.bytes / new / 1e6 / bw, diff=err)  # fmt: skip
+            del c
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default=PRESETS)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    checks()
+    ab(args.presets.split(","), dev)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ROWS, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
