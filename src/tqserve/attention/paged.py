@@ -20,6 +20,10 @@ Decode / verify over packed pages double-buffers in registers (`PREFETCH`): the 
 and scales of the next key tile are loaded while the current one is decoded.
 
 Grids depend on host integers only (`max_query_len`, `max_seq_len`, `num_reqs`): no device sync.
+
+`paged_attention` is the entry point for every step: extend steps over packed pages go to
+`paged_extend.py`, decode steps over 2- / 4-bit codebook keys to `paged_decode.py` (sliced operands,
+faster there by measurement); this kernel serves the rest.
 """
 
 from __future__ import annotations
