@@ -460,8 +460,11 @@ def _store_side(
             tl.store(pay_ptr + tokp[:, None] * D + d[None, :], x.to(pay_ptr.dtype.element_ty), mask=m2)
         elif MODE == 3:
             amax = tl.max(tl.abs(x), 1)
-            sc = _fp16_round(tl.maximum(amax / 448.0, 5.960464477539063e-08))
-            q = tl.minimum(tl.maximum(x / sc[:, None], -448.0), 448.0)
+            # IEEE divisions (div_rn), as torch computes the reference: Triton's `/` is approximate
+            sc = _fp16_round(
+                tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 5.960464477539063e-08)
+            )
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(sc[:, None], x.shape)), -448.0), 448.0)
             tl.store(pay_ptr + tokp[:, None] * D + d[None, :], q.to(pay_ptr.dtype.element_ty), mask=m2)
             tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
         elif MODE == 4:
@@ -473,8 +476,12 @@ def _store_side(
             lo = tl.min(tl.where(dmask[None, :], xr, float("inf")), 1).to(tl.float32)
             hi = tl.max(tl.where(dmask[None, :], xr, float("-inf")), 1).to(tl.float32)
             zero = _fp16_round(lo)
-            sc = _fp16_round(tl.maximum((hi - zero) / LEVELS, 5.960464477539063e-08))
-            tq = (x - zero[:, None]) / sc[:, None]
+            # IEEE divisions (div_rn), as torch computes the reference: Triton's `/` compiles to an
+            # approximate division, whose last-ulp differences moved indices across a rounding edge
+            sc = _fp16_round(
+                tl.maximum(tl.math.div_rn(hi - zero, tl.full(hi.shape, LEVELS, tl.float32)), 5.960464477539063e-08)
+            )
+            tq = tl.math.div_rn(x - zero[:, None], tl.broadcast_to(sc[:, None], x.shape))
             # floor(tq + 0.5) clamped to [0, LEVELS]; truncation equals floor wherever the clamp keeps it
             idx = tl.minimum(tl.maximum((tq + 0.5).to(tl.int32), 0), LEVELS)
             _pack_tile(pay_ptr, tokp, tok_ok, idx, 0, BITS, D, BT, DP, GS)
