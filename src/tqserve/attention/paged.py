@@ -468,11 +468,7 @@ def _paged_attn_kernel(
         if HAS_EXACT:
             tile_exact = (n0 < SINK) | (n0 + BLOCK_N - 1 > q_min - WINDOW)
             if tile_exact:
-                need = n < SINK
-                ex = n[None, :] < SINK
-                if WINDOW > 0:
-                    need = need | (n > q_min - WINDOW)
-                    ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+                need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
                 kx = _load_exact(
                     kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, dmask, ctx, q_start, stride_knt,
                     seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
@@ -499,11 +495,7 @@ def _paged_attn_kernel(
         pp = p
         if HAS_EXACT:  # noqa: SIM102 (constexpr test, then a runtime one: must stay nested)
             if tile_exact:
-                need = n < SINK
-                ex = n[None, :] < SINK
-                if WINDOW > 0:
-                    need = need | (n > q_min - WINDOW)
-                    ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+                need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
                 vx = _load_exact(
                     vn_ptr, rv_ptr, sv_ptr, n, nmask & need, d, dmask, ctx, q_start, stride_vnt,
                     seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
@@ -551,6 +543,18 @@ def _paged_attn_kernel(
     if SPLIT:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + pid_s * stride_ls + tok * stride_lt + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _exact_masks(n, qpos, q_min, SINK: tl.constexpr, WINDOW: tl.constexpr):
+    """Which keys of a tile any row reads exact (`need`, per key: a sink, or inside the window of the
+    block's first query) and which (row, key) pairs read exact (`ex`: the position rule)."""
+    need = n < SINK
+    ex = n[None, :] < SINK
+    if WINDOW > 0:
+        need = need | (n > q_min - WINDOW)
+        ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+    return need, ex
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from tqserve.attention.paged import (
     CODEBOOK,
     LOG2E,
     MINMAX,
+    _exact_masks,
     _interpreting,
     _load_exact,
     _num_sms,
@@ -298,11 +299,7 @@ def _decode_kernel(
         if HAS_EXACT:
             tile_exact = (n0 < SINK) | (n0 + BLOCK_N - 1 > q_min - WINDOW)
             if tile_exact:
-                need = n < SINK
-                ex = n[None, :] < SINK
-                if WINDOW > 0:
-                    need = need | (n > q_min - WINDOW)
-                    ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+                need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
                 kx = _load_exact(
                     kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
                     seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
@@ -324,12 +321,8 @@ def _decode_kernel(
             accx = accx * alpha[:, None]
         if HAS_EXACT:  # noqa: SIM102 (constexpr test, then a runtime one: must stay nested)
             if tile_exact:
-                # (recomputed: values defined inside the key section's runtime branch do not reach here)
-                need = n < SINK
-                ex = n[None, :] < SINK
-                if WINDOW > 0:
-                    need = need | (n > q_min - WINDOW)
-                    ex = ex | (qpos[:, None] - n[None, :] < WINDOW)
+                # (again: values defined inside the key section's runtime branch do not reach here)
+                need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
                 pe = tl.where(ex, p, 0.0)
                 pp = tl.where(ex, 0.0, p)
                 vx = _load_exact(
