@@ -49,6 +49,9 @@ def test_report_table_and_cli_merge(tmp_path):
     rows = [{"preset": "a", "x": 1.23456}, {"preset": "b", "x": 2.0}]
     t = report.table(rows, [("preset", "p", ""), ("x", "x", ".2f")])
     assert "| a | 1.23 |" in t and t.count("\n") == 3
+    # Integer columns may hold a per-layer preset's mean page bytes (a float).
+    t = report.table([{"b": 68}, {"b": 68.0}, {"b": 71.8}], [("b", "b", "d")])
+    assert t.splitlines()[2:] == ["| 68 |", "| 68 |", "| 71.80 |"]
     base = {"preset": "auto", "bits": 16.0, "ppl_delta_pct": 0.0, "kl_mean": 0.0}
     for i, name in enumerate(("one", "two")):
         row = dict(base, preset=name, bits=4.0 + i, ppl_delta_pct=0.1, kl_mean=0.01)

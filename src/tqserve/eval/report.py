@@ -15,7 +15,11 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
         cells = []
         for key, _, fmt in columns:
             v = r.get(key, "")
-            cells.append(format(v, fmt) if fmt and isinstance(v, (int, float)) else str(v))
+            spec = fmt
+            if spec.endswith("d") and isinstance(v, float):
+                # Integer columns may hold averages (per-layer presets: mean page bytes over layers).
+                v, spec = (int(v), spec) if v.is_integer() else (v, ".2f")
+            cells.append(format(v, spec) if spec and isinstance(v, (int, float)) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
