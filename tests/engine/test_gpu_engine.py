@@ -43,6 +43,8 @@ def run(loaded, prompts, backend, kv, cfg):
     if kw["enable_prefix_caching"]:  # a second round served from the prefix cache
         out += [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.engine.get_stats()["prefix_cache_hits"] > 0
+        if any(f.window for f in llm.engine.runner.formats):  # hits restore exact-window snapshots
+            assert llm.engine.get_stats()["window_snapshot_hits"] > 0
     if "num_gpu_blocks_override" in kw:
         assert llm.engine.get_stats()["num_preemptions"] > 0
     backend_name = type(llm.engine.runner.backend).__name__
