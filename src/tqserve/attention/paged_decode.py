@@ -70,13 +70,15 @@ def eligible(layout, max_query_len: int, head_dim: int) -> bool:
 
 def prmt_tables(codebook16) -> tuple[int, int, int, int] | None:
     """(lo bytes of m0..m3, of m4..m7, hi bytes of m0..m3, of m4..m7) for the magnitudes m = c[8:16]
-    of a symmetric 16-entry fp16 codebook (c[i] == -c[15 - i] bit for bit); None if not symmetric."""
+    of a symmetric 16-entry fp16 codebook (c[i] == -c[15 - i] bit for bit); None if not symmetric.
+    Takes the host codebook (`tq_codebook` on the CPU, the values the device copy was made from)."""
     import torch
 
-    c = codebook16.detach().to("cpu", torch.float16)
+    assert codebook16.device.type == "cpu", "build the PRMT tables from the host codebook"
+    c = codebook16.to(torch.float16)
     if c.numel() != 16 or not torch.equal(c, -c.flip(0)):
         return None
-    m = [int(v) & 0xFFFF for v in c[8:].view(torch.int16).tolist()]
+    m = [int(v) & 0xFFFF for v in c[8:].view(torch.int16).numpy()]
     word = lambda xs: xs[0] | xs[1] << 8 | xs[2] << 16 | xs[3] << 24  # noqa: E731
     return (
         word([v & 0xFF for v in m[:4]]),
@@ -362,7 +364,9 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
         return ("", "", "", "")
     cache = layout.__dict__.setdefault("_prmt_cache", {})
     if side not in cache:
-        tables = prmt_tables(cb16)
+        from tqserve.kvquant.reference import tq_codebook
+
+        tables = prmt_tables(tq_codebook(bits, layout.head_dim)[0].half())  # host copy of cb16
         cache[side] = prmt_slices(tables) if tables is not None else ("", "", "", "")
     return cache[side]
 

@@ -567,8 +567,10 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
     CS * y in [k - HALFC - 1/2, k - HALFC + 1/2). CS is picked so that every cell holds at most
     one boundary and none lies within `margin` of a cell edge (so y * CS may be computed with a
-    few ulps of error), and the cells span |y| <= 1.01 (unit vectors, rounding included)."""
-    b64 = bnd.double().cpu()
+    few ulps of error), and the cells span |y| <= 1.01 (unit vectors, rounding included).
+    Built once per plan from the host codebook (`tq_codebook` on the CPU): no device round trip."""
+    assert cb.device.type == "cpu" and bnd.device.type == "cpu", "build the cell table from the host codebook"
+    b64 = bnd.double()
     gap = float((b64[1:] - b64[:-1]).min()) if b64.numel() > 1 else 1.0
     span = max(1.01, float(b64.abs().max()) * 1.01)
     for i in range(400):
@@ -582,8 +584,8 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     ncell = 2 * halfc + 1
     cell_of = (b64 * cs).round().long() + halfc  # each boundary's cell (distinct: cs > 1 / gap)
     assert cell_of.unique().numel() == cell_of.numel() and 0 < int(cell_of.min()) and int(cell_of.max()) < ncell - 1
-    bits32 = bnd.float().cpu().view(torch.int32).long() & 0xFFFFFFFF
-    cbits = cb.float().cpu().view(torch.int32).long() & 0xFFFFFFFF
+    bits32 = bnd.float().view(torch.int32).long() & 0xFFFFFFFF
+    cbits = cb.float().view(torch.int32).long() & 0xFFFFFFFF
     k = torch.arange(ncell)
     base = torch.searchsorted(cell_of, k)  # boundaries in cells below k
     own = torch.full((ncell,), 0x7F800000, dtype=torch.long)  # +inf: no boundary in this cell
