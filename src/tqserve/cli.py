@@ -31,6 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=False,
         help="CUDA: compile every kernel shape class at startup (throw-away steps)",
     )
+    p.add_argument(
+        "--num-window-snapshots",
+        type=int,
+        default=None,
+        help="exact-window snapshots for prefix-cache hits of window presets (0 = recompute from pages)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -82,6 +82,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="CUDA: compile every kernel shape class at startup (throw-away steps); off by default",
     )
+    eng.add_argument(
+        "--num-window-snapshots",
+        type=int,
+        default=None,
+        help="exact-window snapshots kept for prefix-cache hits of sink / window KV presets "
+        "(default min(2 * max-num-seqs, 64); 0 = recompute the window from pages)",
+    )
     return parser
 
 
@@ -118,6 +125,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "device": args.device,
         "kernel_warmup": args.kernel_warmup,
+        "num_window_snapshots": args.num_window_snapshots,
         "chat_template": resolve_chat_template(args.chat_template),
         "served_model_name": args.served_model_name[0] if args.served_model_name else None,
     }
