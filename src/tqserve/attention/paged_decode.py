@@ -1,15 +1,15 @@
-"""Sliced decode / verify kernel for packed pages: codebook keys, codebook or min-max values.
+"""Sliced decode kernel for packed pages: codebook keys, codebook or min-max values, 2- / 4-bit codes.
 
 The general kernel (`attention/paged.py`) expands each packed key / value tile to [keys, d] with a
 join tree and converts it to the tensor-core operand layout through shared memory. Here nothing is
-expanded: the packed words of a tile, each holding the indices of S coordinates (S = 4 for 2- and
-4-bit codes, one 8-index group otherwise), form a [d / S, keys] tile, and slice j (coordinates
-S*g + j) is decoded *elementwise* from those words. So the words go to shared memory packed (b bits
+expanded: the packed words of a tile, each holding the indices of S = 4 coordinates (an int16 word of
+4-bit codes, an int8 word of 2-bit codes), form a [d / 4, keys] tile, and slice j (coordinates
+4g + j) is decoded *elementwise* from those words. So the words go to shared memory packed (b bits
 per coordinate, not 16), are read back in the operand layout, and are decoded in registers right
 where `tl.dot` wants them:
 
-    scores = sum_j  q[:, j::S] @ c[idx_j]          (S dots with K = d / S)
-    acc_j += p @ v_j                               (S accumulators [rows, d / S])
+    scores = sum_j  q[:, j::4] @ c[idx_j]          (4 dots with K = d / 4)
+    acc_j += p @ v_j                               (4 accumulators [rows, d / 4])
 
 Lookups are fp16 gathers from the codebook (portable, and what the interpreter runs); on the GPU,
 4-bit codebook slices are decoded by one inline-PTX block per pair of words (PRMT byte lookups in a
@@ -17,8 +17,9 @@ symmetric table held as immediates, no memory access), which Triton keeps in the
 (a pure unary elementwise op). Min-max values are built as fp16 `1024 + idx` from the index bits.
 
 Everything else follows `paged.py`: rows are (query token, head of the GQA group) padded to 16,
-the exact sink + window rule reads the fresh k / v, the ring and the sink buffer (`_load_exact`),
-split-K partials are combined by `_split_reduce_kernel`, rotated values are rotated back once.
+the exact sink + window rule reads the fresh k / v, the ring and the sink buffer (`_load_exact`);
+exact values accumulate in a second output part; split-K partials are combined by
+`_split_reduce_kernel`; rotated values are rotated back once.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ ENABLED = True  # benchmarks / tests switch the sliced path off to compare with 
 PRMT = True  # GPU: 4-bit codebook slices by PRMT lookups (False: fp16 gathers, as in the interpreter)
 BLOCK_N = 64
 NUM_WARPS = 4
-
-
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
