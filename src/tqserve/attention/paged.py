@@ -359,7 +359,7 @@ def _paged_attn_kernel(
     NPART: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
-    PREC: tl.constexpr,  # "ieee" for float32 queries (no TF32 rounding of a float32 model's attention)
+    PREC: tl.constexpr,  # "ieee" for float32 models (no TF32 rounding of their attention), else "tf32" (unused)
     PAIRS: tl.constexpr = True,  # codebook tiles through the pair table (else kcb/vcb are the codebooks)
     INTS: tl.constexpr = True,  # min-max tiles as fp16 1024 + idx
     F16J: tl.constexpr = False,  # join decoded halves as fp16 (else as int32)
@@ -645,7 +645,7 @@ def paged_attention(
             args = (q, k_new, v_new, pages, layout, meta, scale, ring, sinks, out, num_splits)
             return paged_extend.extend_attention(*args)
     # ---- end of the extend branch
-    # ---- decode / verify over codebook keys: the sliced kernel (attention/paged_decode.py)
+    # ---- decode steps over 2- / 4-bit codebook keys: the sliced kernel (attention/paged_decode.py)
     from tqserve.attention import paged_decode
 
     if paged_decode.eligible(layout, meta.max_query_len, q.shape[-1]):
