@@ -62,3 +62,14 @@ def test_report_table_and_cli_merge(tmp_path):
     merged = json.loads((tmp_path / "m" / "ppl.json").read_text())
     assert [r["preset"] for r in merged["rows"]] == ["auto", "two", "one"]
     assert (tmp_path / "m" / "ppl.png").stat().st_size > 1000
+
+
+def test_direct_runner_scores_the_last_rows():
+    """`--backend direct` scores needle cells through `logprobs(ids, last=n)`, like the engine runner."""
+    from tqserve.eval.runner import DirectRunner
+
+    runner = DirectRunner("tq4", 64)
+    ids = list(range(10, 40))
+    full = runner.logprobs(ids)
+    assert full.shape[0] == len(ids) - 1
+    assert torch.equal(runner.logprobs(ids, last=4), full[-4:])

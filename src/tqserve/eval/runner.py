@@ -160,10 +160,13 @@ class DirectRunner:
         hidden = self.model(torch.as_tensor(ids, dtype=torch.int64), meta.positions, ctx)
         return hidden
 
-    def logprobs(self, token_ids: list[int]) -> torch.Tensor:
+    def logprobs(self, token_ids: list[int], last: int | None = None) -> torch.Tensor:
+        """Like EngineRunner.logprobs: the rows predicting tokens 1.., or only the `last` of them."""
         with torch.inference_mode():
-            hidden = self._forward(token_ids, 0)
-            return torch.log_softmax(self.model.compute_logits(hidden[:-1]).float(), dim=-1)
+            hidden = self._forward(token_ids, 0)[:-1]
+            if last is not None:
+                hidden = hidden[-last:]
+            return torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
 
     def greedy(self, token_ids: list[int], max_tokens: int) -> list[int]:
         out: list[int] = []
