@@ -619,6 +619,30 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def finish_parts(part, lse, out, splits: int, npart: int, layout, meta, T: int, hq: int, d: int):
+    """Shared tail of the paged kernels' launchers: combine split-K partials (`_split_reduce_kernel`),
+    rotate codebook values back (x = R^T y, for rows y @ R) and add the exact-value part when the
+    kernel wrote one, zero graph-padding rows. Returns `out`."""
+    rotated = layout.rotated_values
+    if splits > 1:
+        w = npart * d
+        red = out if npart == 1 and not rotated else torch.empty((T, hq, w), device=out.device, dtype=torch.float32)
+        _split_reduce_kernel[(meta.num_tokens, hq)](
+            part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
+            W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
+        )  # fmt: skip
+        part = red
+    if rotated or npart == 2:
+        pr = part.view(-1, T, hq, npart, d)[0] if part.dim() == 4 else part.view(T, hq, npart, d)
+        res = pr[:, :, 0] @ layout.val_rotation if rotated else pr[:, :, 0]
+        if npart == 2:
+            res = res + pr[:, :, 1]
+        out.copy_(res)
+    if meta.num_tokens < T:
+        out[meta.num_tokens :].zero_()
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -721,20 +745,4 @@ def paged_attention(
         F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if _interpreting() else LAUNCH_OPTS),
     )  # fmt: skip
-    if splits > 1:
-        w = npart * d
-        red = out if not rotated else torch.empty((T, hq, w), device=dev, dtype=torch.float32)
-        _split_reduce_kernel[(meta.num_tokens, hq)](
-            part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-            W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
-        )  # fmt: skip
-        part = red
-    if rotated:
-        pr = part.view(-1, T, hq, npart, d)[0] if part.dim() == 4 else part.view(T, hq, npart, d)
-        res = pr[:, :, 0] @ layout.val_rotation  # x = R^T y, for rows: y @ R
-        if npart == 2:
-            res = res + pr[:, :, 1]
-        out.copy_(res)
-    if meta.num_tokens < T:
-        out[meta.num_tokens :].zero_()
-    return out
+    return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)

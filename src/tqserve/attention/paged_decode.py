@@ -36,8 +36,8 @@ from tqserve.attention.paged import (
     _load_exact,
     _num_sms,
     _row_major,
-    _split_reduce_kernel,
     _tile_rows,
+    finish_parts,
 )
 from tqserve.attention.tuning import group_pad
 
@@ -444,20 +444,4 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32",
         num_warps=NUM_WARPS, num_stages=1,
     )  # fmt: skip
-    if splits > 1:
-        w = npart * d
-        red = out if npart == 1 and not rotated else torch.empty((T, hq, w), device=dev, dtype=torch.float32)
-        _split_reduce_kernel[(meta.num_tokens, hq)](
-            part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-            W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
-        )  # fmt: skip
-        part = red
-    if rotated or npart == 2:
-        pr = part.view(-1, T, hq, npart, d)[0] if part.dim() == 4 else part.view(T, hq, npart, d)
-        res = pr[:, :, 0] @ layout.val_rotation if rotated else pr[:, :, 0]  # x = R^T y, for rows: y @ R
-        if npart == 2:
-            res = res + pr[:, :, 1]
-        out.copy_(res)
-    if meta.num_tokens < T:
-        out[meta.num_tokens :].zero_()
-    return out
+    return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)

@@ -22,7 +22,7 @@ KV head) and decodes every key and value tile once per program into fp16 tensor-
   tile loaded while this one is decoded), then the tail near the diagonal (causal mask, window).
 
 Any mix of requests in the batch (query_start_loc / seq_lens / block_tables), split-K over the key
-range for few long requests (combined by `paged._split_reduce_kernel`), no host sync, grids from host
+range for few long requests (combined by `paged.finish_parts`), no host sync, grids from host
 integers only, no dequantized copy of the cache. Rows whose keys are all masked end with zeros.
 """
 
@@ -49,9 +49,9 @@ from tqserve.attention.paged import (
     _num_sms,
     _pairs,
     _row_major,
-    _split_reduce_kernel,
     _tile_rows,
     _widen,
+    finish_parts,
 )
 from tqserve.attention.tuning import group_pad, pick_splits
 
@@ -649,16 +649,4 @@ def extend_attention(
         DOT_F32=dot_f32, PREC="ieee" if model_f32 else "tf32", PAIRS=pairs,
         PREFETCH=cfg.prefetch and FAST["prefetch"], LAZY=cfg.lazy, num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
-    if splits > 1:
-        red = out if not rotated else torch.empty((T, hq, d), device=dev, dtype=torch.float32)
-        _split_reduce_kernel[(meta.num_tokens, hq)](
-            part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-            W=d, WP=dp, SP=triton.next_power_of_2(splits),
-        )  # fmt: skip
-        part = red
-    if rotated:
-        pr = part[0] if part.dim() == 4 else part
-        out.copy_(pr @ layout.val_rotation)  # x = R^T y, for rows: y @ R
-    if meta.num_tokens < T:
-        out[meta.num_tokens :].zero_()
-    return out
+    return finish_parts(part, lse, out, splits, 1, layout, meta, T, hq, d)
