@@ -73,3 +73,20 @@ def test_direct_runner_scores_the_last_rows():
     full = runner.logprobs(ids)
     assert full.shape[0] == len(ids) - 1
     assert torch.equal(runner.logprobs(ids, last=4), full[-4:])
+
+
+def test_engine_runner_scores_a_case_as_long_as_the_context(monkeypatch):
+    """Needle cells of the model's full length (8,192 on SmolLM2) go through the engine: the final
+    token is never an input, so the request fits `max_model_len`; the rows equal the full scoring."""
+    from tqserve.eval import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "_model_max", lambda device: 48)
+    runner = runner_mod.EngineRunner("tq4", 48)
+    assert runner.llm.engine.model_config.max_model_len == 48
+    ids = list(range(100, 148))
+    last = runner.logprobs(ids, last=5)
+    assert last.shape[0] == 5
+    shorter = runner.logprobs(ids[:-1])  # 47 tokens: rows predicting tokens 1..46
+    torch.testing.assert_close(last[:-1], shorter[-4:], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError):
+        runner.logprobs(ids)  # the whole case as a prompt needs a position past the model's context

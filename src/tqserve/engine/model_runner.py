@@ -229,13 +229,16 @@ class ModelRunner:
                     out.logprobs[rid] = lp
         for rid, row, n, start_pos in inputs.prompt_rows:
             req = requests[rid]
-            # Rows whose next token is a prompt token.
-            n = min(n, req.num_prompt_tokens - 1 - start_pos)
-            if n <= 0:
-                continue
-            nxt = torch.as_tensor(req.prompt_token_ids[start_pos + 1 : start_pos + 1 + n]).to(self.device)
             sp = req.sampling_params
-            logits = self.model.compute_logits(hidden[row : row + n])
+            # Rows whose next token is a prompt token. The full log-softmax (KV-quality evaluation)
+            # also keeps the last prompt position's row, the distribution after the prompt, so a
+            # case as long as the model's context is scored without a position beyond it.
+            n_rows = min(n, req.num_prompt_tokens - start_pos) if sp.prompt_logprobs_full else 0
+            n = min(n, req.num_prompt_tokens - 1 - start_pos)
+            if max(n, n_rows) <= 0:
+                continue
+            nxt = torch.as_tensor(req.prompt_token_ids[start_pos + 1 : start_pos + 1 + max(n, 0)]).to(self.device)
+            logits = self.model.compute_logits(hidden[row : row + max(n, n_rows)])
             out.prompt_logprobs[rid] = prompt_logprobs(logits, nxt, sp.prompt_logprobs or 0, sp.prompt_logprobs_full)
         return out
 

@@ -138,8 +138,11 @@ def prompt_logprobs(
     logits: torch.Tensor, next_tokens: torch.Tensor, k: int, full: bool
 ) -> tuple[list, torch.Tensor | None]:
     """Logprobs of each prompt position's next token (+ top-k), and optionally the full
-    log-softmax (host tensor) for quality evaluation. Read-back lives here with the sampler's."""
+    log-softmax (host tensor) for quality evaluation. `logits` may hold rows past the last next
+    token (the prompt's final position): they appear only in the full tensor. Read-back lives here
+    with the sampler's."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen, rank, top_vals, top_ids = (t.tolist() for t in _gather_logprobs(logprobs, next_tokens, k))
+    scored = logprobs[: len(next_tokens)]
+    chosen, rank, top_vals, top_ids = (t.tolist() for t in _gather_logprobs(scored, next_tokens, k))
     rows = [(chosen[i], rank[i], list(zip(top_ids[i][:k], top_vals[i][:k]))) for i in range(len(chosen))]
     return rows, (logprobs.cpu() if full else None)

@@ -66,15 +66,17 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def prompt_logprobs_full(self, token_ids: list[int]) -> torch.Tensor:
-        """[len-1, vocab] log-softmax of every next-token distribution of a prompt, computed through
-        the engine (prompt attention reads the paged, possibly quantized, cache)."""
+    def prompt_logprobs_full(self, token_ids: list[int], include_last: bool = False) -> torch.Tensor:
+        """[len-1, vocab] log-softmax of every next-token distribution of a prompt whose next token
+        is in the prompt, computed through the engine (prompt attention reads the paged, possibly
+        quantized, cache); with `include_last`, [len, vocab]: also the distribution after the prompt."""
         rid = str(next(self._ids))
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs_full=True)
         self.engine.add_request(rid, list(token_ids), params)
         parent = self.engine.processor.parents[rid]
         self._run([rid], False)
-        return torch.cat(parent.prompt_logprobs_full, dim=0)
+        full = torch.cat(parent.prompt_logprobs_full, dim=0)
+        return full if include_last else full[:-1]
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -57,7 +57,7 @@ class EngineRunner:
             attention_backend="reference" if gpu else "auto",
             kv_cache_dtype=preset,
             kv_cache_dtype_skip_layers=list(skip_layers),
-            max_model_len=max_model_len + 16,
+            max_model_len=min(max_model_len + 16, _model_max(device)),
             enable_prefix_caching=False,
             max_num_batched_tokens=self.chunk,
             # Generous request slots: each sink-preset request holds a sink slot (2 * max_num_seqs + 2
@@ -68,8 +68,11 @@ class EngineRunner:
         self.tokenizer = self.llm.get_tokenizer()
 
     def logprobs(self, token_ids: list[int], last: int | None = None) -> torch.Tensor:
-        lp = self.llm.prompt_logprobs_full(token_ids).float()
-        return lp if last is None else lp[-last:]
+        if last is None:
+            return self.llm.prompt_logprobs_full(token_ids).float()
+        # Only the rows predicting the last tokens: the final token is never an input, so a case as
+        # long as the model's context fits (its prefix and the distribution after it).
+        return self.llm.prompt_logprobs_full(token_ids[:-1], include_last=True).float()[-last:]
 
     def greedy(self, token_ids: list[int], max_tokens: int) -> list[int]:
         from tqserve.sampling_params import SamplingParams
@@ -88,6 +91,11 @@ def _kv_bytes(tokens: int) -> int:
     # Enough for one request at the exact float32 size of the default model (30 layers, 3 KV heads,
     # d = 64) whatever the preset, with slack for the null page and partial blocks.
     return max(64 << 20, int(tokens * 30 * 3 * 64 * 2 * 4 * 1.25))
+
+
+def _model_max(device: str) -> int:
+    hf_config = _load_default_model(device)[1]
+    return int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
 
 
 def _load_default_model(device: str = "cpu"):
