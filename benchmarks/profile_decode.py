@@ -7,6 +7,8 @@ python benchmarks/profile_decode.py --hybrid-layers 4 --batch 32 --prompt-len 25
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -21,6 +23,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--kv", nargs="+", default=["auto"])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--cprofile", action="store_true", help="also print a cProfile of the steps (host time)")
     p.add_argument("--hybrid-layers", type=int, default=0, help="random Qwen3.5-4B-shaped model of this many layers")
     args = p.parse_args()
     if args.hybrid_layers:
@@ -73,6 +76,17 @@ def main() -> None:
         print(f"=== kv={kv}: {dt * 1e3:.1f} ms per decode step (batch {args.batch}, ctx {args.prompt_len})")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+        if args.cprofile:
+            # Host side: which Python functions a decode step spends its wall time in.
+            prof_py = cProfile.Profile()
+            prof_py.enable()
+            for _ in range(args.steps):
+                eng.step()
+            torch.cuda.synchronize()
+            prof_py.disable()
+            stats = pstats.Stats(prof_py)
+            stats.sort_stats("cumulative").print_stats(30)
+            stats.sort_stats("tottime").print_stats(25)
         del llm, eng
         torch.cuda.empty_cache()
 
