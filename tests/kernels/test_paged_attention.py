@@ -118,6 +118,32 @@ def test_paged_gpu_real_sizes(preset, hq, hkv, d):
     _check_one_step(preset, hq, hkv, d, [9000], [1], seed=2)  # few requests: split-K path
 
 
+# One step of the GPU engine (SmolLM2 shapes, bf16, prefix-cache test): 16 requests of 1..16 new
+# tokens resuming mostly at block boundaries. 64-row programs with 32-key tiles (16 tokens x group
+# 3 padded to 4; 5-token verify at GQA 7 or 8) crashed or computed wrong scores with 4 warps.
+ENGINE_QL = [1, 8, 14, 10, 5, 15, 2, 16, 11, 10, 7, 7, 4, 16, 12, 3]
+ENGINE_CTX = [16, 16, 48, 112, 224, 288, 544, 144, 400, 80, 336, 128, 464, 240, 160, 48]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "preset,hq,hkv,d,verify",
+    [
+        ("tq4", 9, 3, 64, False),
+        ("tq3", 9, 3, 64, False),
+        ("tq4s", 9, 3, 64, False),
+        ("tq_k5v3_ub", 9, 3, 64, False),  # 5-bit keys, no exact copies: 32-key tiles too
+        ("tq4", 8, 1, 64, False),
+        ("tq4", 16, 2, 128, False),
+        ("tq3", 28, 4, 128, True),
+        ("tq4", 32, 4, 64, True),
+    ],
+)
+def test_wide_rows_short_key_tiles(preset, hq, hkv, d, verify):
+    ql = [5] * len(ENGINE_QL) if verify else ENGINE_QL
+    _check_one_step(preset, hq, hkv, d, ENGINE_CTX, ql, seed=5)
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize(
     "preset",

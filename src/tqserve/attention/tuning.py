@@ -66,8 +66,8 @@ def pick_config(
                 block_n = 32
             elif codebook_key_bits in (3, 4) and not exact and not big_d and bq * gp <= 32:
                 block_n = 128
-            return AttnConfig(bq, block_n, 4, 1, True)
-        return AttnConfig(bq, block_n, 4, 3)
+            return AttnConfig(bq, block_n, _warps(bq * gp, block_n), 1, True)
+        return AttnConfig(bq, block_n, _warps(bq * gp, block_n), 3)
     # Extend: compute-bound, flash-attention style 64..128-row tiles (64 when decoding packed
     # tiles or d = 256: a 128-row tile with two accumulators overflows shared memory).
     rows = 64 if (big_d or packed) else 128
@@ -79,6 +79,15 @@ def pick_config(
     # exact sink/window tiles add a second key tile, a second value tile and (rotated values) a
     # second accumulator: one pipeline stage keeps that under the 227 KB of shared memory.
     return AttnConfig(bq, block_n, 8, 1 if (exact or big_d) else 2)
+
+
+def _warps(rows: int, block_n: int) -> int:
+    """Warps of a decode / verify program. 64-row tiles against 32-key tiles get 8: with 4 warps
+    Triton 3.6 miscompiles that shape on sm_90 (out-of-bounds shared-memory reads in the score dot,
+    or silently wrong scores; H100, 2026-11-26: 16-token chunks of a GQA-3 model, 5-token verify
+    at GQA 7, tq4 / tq3 pages). 8 warps, 64-key tiles or 32-row tiles all compute it correctly;
+    tests/kernels/test_paged_attention.py::test_wide_rows_short_key_tiles keeps the shape covered."""
+    return 8 if rows >= 64 and block_n <= 32 else 4
 
 
 def pick_splits(num_reqs: int, num_kv_heads: int, num_qblocks: int, max_seq_len: int, block_n: int, sms: int) -> int:
