@@ -3,6 +3,7 @@ one (attention/paged.py, `paged_decode.ENABLED = False`) on the same pages, SDPA
 in one process on one card; real-size reference checks of decode / verify batches first.
 
 PYTHONPATH=src:tests python benchmarks/decode_ab.py [--presets P,...] [--json F]
+PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --heads 9,3,64 --cases 64x4096x1  (SmolLM2's decode)
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ def checks() -> None:
             row(check=preset, shape=f"{hq}/{hkv}/{d}", case=name, result=msg)
 
 
-def ab(presets: list[str], dev) -> None:
+def ab(presets: list[str], dev, heads=(32, 8, 128), cases=((32, 32768, 1), (1, 131072, 1), (32, 32768, 5))) -> None:
     bw = copy_bandwidth(dev)
     row(copy_GBps=bw)
-    hq, hkv, d = 32, 8, 128
-    for n_req, ctx, ql in [(32, 32768, 1), (1, 131072, 1), (32, 32768, 5)]:
-        shape = f"{n_req}x{ql}x{ctx}"
+    hq, hkv, d = heads
+    for n_req, ctx, ql in cases:
+        shape = f"{n_req}x{ql}x{ctx} heads {hq}/{hkv}/{d}"
         sd = sdpa_decode_ms(n_req, ctx, ql, hq, hkv, d, dev)[0]
         row(shape=shape, preset="sdpa", ms=sd)
         for p in presets:
@@ -74,10 +75,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default=PRESETS)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size")
+    ap.add_argument("--cases", default="32x32768x1,1x131072x1,32x32768x5", help="requests x context x query tokens")
+    ap.add_argument("--no-checks", action="store_true", help="skip the real-size reference checks")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    checks()
-    ab(args.presets.split(","), dev)
+    if not args.no_checks:
+        checks()
+    heads = tuple(int(x) for x in args.heads.split(","))
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    ab(args.presets.split(","), dev, heads, cases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ROWS, f, indent=1)
