@@ -51,6 +51,7 @@ def ab(presets: list[str], dev, heads=(32, 8, 128), cases=((32, 32768, 1), (1, 1
     bw = copy_bandwidth(dev)
     row(copy_GBps=bw)
     hq, hkv, d = heads
+    paged_decode.MIN_HEAD_DIM = 64  # the A/B times the sliced kernel wherever it can run
     for n_req, ctx, ql in cases:
         shape = f"{n_req}x{ql}x{ctx} heads {hq}/{hkv}/{d}"
         sd = sdpa_decode_ms(n_req, ctx, ql, hq, hkv, d, dev)[0]

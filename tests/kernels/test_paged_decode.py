@@ -37,6 +37,8 @@ SLICED = ["turboquant_4bit_nc", "tq3", "tq3s", "tq_k4v4_nc", "tq_k2v4_nc"]
 
 @pytest.fixture
 def spy(monkeypatch):
+    """Counts sliced-kernel launches; lowers the dispatch's head-size floor so d = 64 runs it too."""
+    monkeypatch.setattr(paged_decode, "MIN_HEAD_DIM", 64)
     calls = []
     real = paged_decode.decode_attention
 
@@ -48,13 +50,16 @@ def spy(monkeypatch):
     return calls
 
 
-def test_eligibility():
+def test_eligibility(monkeypatch):
     def lay(preset, d=128):
         return layout_for_format(make_layer_format(preset, 3, 2, d, torch.bfloat16), DEV)
 
     for p in SLICED:
         assert paged_decode.eligible(lay(p), 1, 128), p
-        assert paged_decode.eligible(lay(p, 64), 1, 64), p
+        assert not paged_decode.eligible(lay(p, 64), 1, 64), p  # slower than the general kernel at d = 64
+        with monkeypatch.context() as m:
+            m.setattr(paged_decode, "MIN_HEAD_DIM", 64)
+            assert paged_decode.eligible(lay(p, 64), 1, 64), p
         assert not paged_decode.eligible(lay(p), 5, 128), p  # verify steps: the general kernel
     # 3- and 5-bit codes, dense keys, exact pages: the general kernel
     for p in ["turboquant_3bit_nc", "tq4", "tq4s", "turboquant_k8v4", "fp8", "auto"]:

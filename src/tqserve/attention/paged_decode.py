@@ -42,6 +42,8 @@ from tqserve.attention.paged import (
 from tqserve.attention.tuning import group_pad
 
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
+# Smallest head size dispatched here (by measurement, see `eligible`).
+MIN_HEAD_DIM = 128
 PRMT = True  # GPU: 4-bit codebook slices by PRMT lookups (False: fp16 gathers, as in the interpreter)
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -56,12 +58,15 @@ def eligible(layout, max_query_len: int, head_dim: int) -> bool:
     Chosen by measurement (H200, 32 x 32K, docs/benchmarks.md): faster than the general kernel for
     4-bit keys with 4- / 2-bit values (1.2-1.6x); slower with 8-coordinate groups (3- and 5-bit
     codes: byte-joined words, 8 slices, spills) and for verify steps (rows of 5 tokens x the group).
+    Head sizes below MIN_HEAD_DIM stay on the general kernel: at d = 64 (SmolLM2, 64 x 4K, H100) the
+    sliced kernel is 2.9x slower for 4-bit keys and 3.5x for tq3 (16-deep dots, a quarter of the work
+    per slice). The kernel itself runs any d >= 64 (the tests lower the threshold).
     """
     if not ENABLED or max_query_len != 1 or layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
         return False
     if head_dim & (head_dim - 1) or layout.key_bits not in (2, 4) or layout.val_bits not in (2, 4):
         return False
-    return head_dim // S >= 16
+    return head_dim // S >= 16 and head_dim >= MIN_HEAD_DIM
 
 
 # ---- 4-bit codebook slices by PRMT lookups (GPU only) -------------------------------------------
