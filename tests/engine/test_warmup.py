@@ -34,3 +34,46 @@ def test_warmup_leaves_no_trace_hybrid(tmp_path):
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, hf.VOCAB, (n,), generator=gen).tolist()} for n in (3, 70, 17)]
     assert _outputs(path, "tq4", True, prompts) == _outputs(path, "tq4", False, prompts)
+
+
+@pytest.mark.parametrize(
+    "kv,heads,d",
+    [
+        ("auto", (9, 3), 64),  # SmolLM2's attention shape
+        ("turboquant_4bit_nc", (9, 3), 64),
+        ("tq4", (9, 3), 64),  # sink + window, rotated values
+        ("turboquant_4bit_nc", (16, 4), 128),  # sliced decode kernel
+        ("tq3", (16, 4), 128),
+    ],
+)
+def test_warmup_compiles_every_kernel_a_long_batch_needs(tmp_path, monkeypatch, kv, heads, d):
+    """After the startup warm-up, prefilling and decoding a batch of long prompts (chunked prefill,
+    split-K and plain decode) needs no Triton binary that the warm-up did not already build. Kernels
+    are not run: `LaunchRecorder` records each launch's compile key (constexprs, dtypes, alignment,
+    integer classes, warps) the way Triton does, with an H100's SM count for the split-K choice."""
+    from launch_recorder import LaunchRecorder
+
+    from tqserve.attention import paged, paged_decode, paged_extend
+
+    for mod in (paged, paged_decode, paged_extend):
+        monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+    hq, hkv = heads
+    model_factory.write_tiny_checkpoint(
+        str(tmp_path), "llama", hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv,
+        max_position_embeddings=4096, intermediate_size=128,
+    )  # fmt: skip
+    with LaunchRecorder() as rec:
+        llm = LLM(
+            str(tmp_path), dtype="bfloat16", max_model_len=2100, kv_cache_dtype=kv, max_num_seqs=32,
+            attention_backend="triton", kv_cache_memory_bytes=1 << 29, max_num_batched_tokens=1024,
+        )  # fmt: skip
+        llm.engine.runner._warmup_kernels()
+        warm = rec.take()
+        assert warm, "the warm-up launched no kernel"
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        for i in range(32):
+            llm.engine.add_request(f"r{i}", [(7 + 31 * i + 17 * j) % 200 for j in range(2048 - 37 * i)], params)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        new = rec.take() - warm
+    assert not new, f"{len(new)} kernel specializations first needed after the warm-up: {sorted(new, key=str)[:2]}"

@@ -305,7 +305,7 @@ def _load_side(
     return raw, sc, ze
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ls"])  # = tokens x heads: one binary for every step size
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D] queries against page keys (rotated for codebook keys), any float dtype
     qx_ptr,  # [T, Hq, D] unrotated queries against exact keys (== q_ptr when keys are not rotated)
@@ -579,7 +579,7 @@ def _load_exact(
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "stride_ls"])  # split count, tokens x heads
 def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, n_splits, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
     W: tl.constexpr, WP: tl.constexpr, SP: tl.constexpr,
@@ -619,6 +619,37 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int) -> None:
+    """Split-K partials [splits, T, hq, w] + log-sum-exps -> red [T, hq, w]."""
+    _split_reduce_kernel[(num_tokens, hq)](
+        part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
+        W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
+    )  # fmt: skip
+
+
+# Largest split count any launcher picks (tuning.pick_splits, paged_decode.pick_splits).
+MAX_SPLITS = 128
+
+
+def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the split-K combine for every split-count class (SP = 2 .. MAX_SPLITS, a constexpr)
+    and every (width, output dtype) a launcher of this layout can ask for: which split count a step
+    gets depends on its lengths and batch, so the engine's warm-up steps cannot reach them all."""
+    rotated = layout.rotated_values
+    combos = {(1, torch.float32 if rotated else model_dtype)}  # finish_parts writes `out` directly when it can
+    if layout.sink or layout.window:
+        combos.add((2, torch.float32))  # the exact-value part beside the page part
+    for npart, red_dtype in sorted(combos, key=str):
+        w = npart * d
+        red = torch.empty((1, hq, w), device=device, dtype=red_dtype)
+        splits = 2
+        while splits <= MAX_SPLITS:
+            part = torch.zeros((splits, 1, hq, w), device=device, dtype=torch.float32)
+            lse = torch.zeros((splits, 1, hq), device=device, dtype=torch.float32)
+            _combine_splits(part, lse, red, splits, 1, hq, w)
+            splits *= 2
+
+
 def finish_parts(part, lse, out, splits: int, npart: int, layout, meta, T: int, hq: int, d: int):
     """Shared tail of the paged kernels' launchers: combine split-K partials (`_split_reduce_kernel`),
     rotate codebook values back (x = R^T y, for rows y @ R) and add the exact-value part when the
@@ -627,10 +658,7 @@ def finish_parts(part, lse, out, splits: int, npart: int, layout, meta, T: int, 
     if splits > 1:
         w = npart * d
         red = out if npart == 1 and not rotated else torch.empty((T, hq, w), device=out.device, dtype=torch.float32)
-        _split_reduce_kernel[(meta.num_tokens, hq)](
-            part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-            W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
-        )  # fmt: skip
+        _combine_splits(part, lse, red, splits, meta.num_tokens, hq, w)
         part = red
     if rotated or npart == 2:
         pr = part.view(-1, T, hq, npart, d)[0] if part.dim() == 4 else part.view(T, hq, npart, d)

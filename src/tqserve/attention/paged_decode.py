@@ -216,7 +216,7 @@ def _store_slice(obase, acc, l_safe, row_ok, j: tl.constexpr, S: tl.constexpr, D
     tl.store(obase + g[None, :] * S + j, (acc / l_safe[:, None]).to(obase.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ls"])  # = tokens x heads: one binary for every step size
 def _decode_kernel(
     q_ptr, qx_ptr, kn_ptr, vn_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr,
     rk_ptr, rv_ptr, sk_ptr, sv_ptr, qsl_ptr, seqlen_ptr, bt_ptr, seqslot_ptr, sinkslot_ptr, out_ptr, lse_ptr,

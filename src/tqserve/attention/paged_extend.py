@@ -311,7 +311,7 @@ def _exact_tile(
     return _softmax_pv(acc, m_i, l_i, s, v, VT, PREC, LAZY)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ls"])  # = tokens x heads: one binary for every step size
 def _extend_kernel(
     q_ptr,  # [T, Hq, D] queries against page keys: rotated for codebook keys, pre-scaled, key operand dtype
     qx_ptr,  # [T, Hq, D] unrotated queries against exact keys, pre-scaled, model dtype

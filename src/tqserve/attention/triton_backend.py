@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tqserve.attention.backend import AttentionBackend, AttentionMetadata
-from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention
+from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention, warm_split_combine
 from tqserve.attention.reference import KVCacheStore
 from tqserve.kvquant.store_triton import StorePlan, store_kv
 
@@ -21,6 +21,8 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, store: KVCacheStore) -> None:
         self.store = store
         dev = next(iter(store.pages[0].values())).device if store.pages else torch.device("cpu")
+        self.device = dev
+        self.num_q_heads: int | None = None  # seen at the first forward (warm_up needs it)
         # Codebooks, rotation matrices and kernel arguments are built once at startup (invariant 3).
         self.layouts: list[PageLayout] = [layout_for_format(f, dev) for f in store.formats]
         self.plans: list[StorePlan] = [StorePlan(f, dev) for f in store.formats]
@@ -35,6 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         store = self.store
+        self.num_q_heads = q.shape[1]  # for warm_up(): the query heads of this rank
         pages = store.pages[layer_idx]
         t = k.shape[0]
         store_kv(pages, self.plans[layer_idx], k, v, meta.slot_mapping[:t])
@@ -52,3 +55,16 @@ class TritonAttentionBackend(AttentionBackend):
         n = meta.num_tokens
         store.refresh_exact(layer_idx, k[:n], v[:n], meta)
         return out
+
+    def warm_up(self) -> None:
+        """After the engine's warm-up steps (which set `num_q_heads`): compile what no step shape is
+        sure to reach, the split-K combine of every split-count class of each distinct layout."""
+        heads = self.num_q_heads
+        if heads is None:
+            return
+        seen = set()
+        for fmt, layout in zip(self.store.formats, self.layouts):
+            key = (layout.rotated_values, bool(layout.sink or layout.window), fmt.head_dim, fmt.model_dtype)
+            if key not in seen:
+                seen.add(key)
+                warm_split_combine(layout, heads, fmt.head_dim, fmt.model_dtype, self.device)

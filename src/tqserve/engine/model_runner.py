@@ -174,7 +174,10 @@ class ModelRunner:
         limit = min(self.max_model_len - 1, usable_blocks * bs)
         long_ctx = min(limit - 1, 8192)
         shapes = [(q, min(cfg.max_num_seqs, self.max_num_tokens // q), min(256, limit - q)) for q in (1, 2, 4, 8, 16)]
+        # Split-K (one long request) and not (many requests) for decode and for extend chunks: the
+        # kernels compile each variant separately.
         shapes += [(1, 1, long_ctx), (min(self.max_num_tokens, limit, 1024), 1, 0)]
+        shapes += [(64, min(cfg.max_num_seqs, self.max_num_tokens // 64), min(256, limit - 64))]
         with torch.inference_mode():
             for qlen, nreq, ctx in shapes:
                 if nreq < 1 or ctx < 0 or qlen > limit:
@@ -187,6 +190,9 @@ class ModelRunner:
                 inputs = self.builder.build(SchedulerOutput(requests=reqs, num_tokens=qlen * nreq))
                 hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
                 self.model.compute_logits(hidden[inputs.sample_indices])
+            warm_up = getattr(self.backend, "warm_up", None)
+            if warm_up is not None:
+                warm_up()
         if self.state_pool is not None:
             for t in self.state_pool.conv + self.state_pool.ssm:
                 t.zero_()

@@ -536,7 +536,7 @@ def _store_side(
             _tq_scale_store(n, cnorm2 if SCALE_MODE == 1 else ydotc, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # token count: one binary for every step size
 def _store_kv_kernel(
     k_ptr, v_ptr, stride_kt, stride_vt, slot_ptr, T,
     kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
