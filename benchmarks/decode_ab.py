@@ -47,11 +47,18 @@ def checks() -> None:
             row(check=preset, shape=f"{hq}/{hkv}/{d}", case=name, result=msg)
 
 
-def ab(presets: list[str], dev, heads=(32, 8, 128), cases=((32, 32768, 1), (1, 131072, 1), (32, 32768, 5))) -> None:
+def ab(
+    presets: list[str],
+    dev,
+    heads=(32, 8, 128),
+    cases=((32, 32768, 1), (1, 131072, 1), (32, 32768, 5)),
+    lookups=("shfl", "prmt"),
+) -> None:
     bw = copy_bandwidth(dev)
     row(copy_GBps=bw)
     hq, hkv, d = heads
     paged_decode.MIN_HEAD_DIM = 64  # the A/B times the sliced kernel wherever it can run
+    saved = paged_decode.LOOKUP, paged_decode.MAX_QUERY_LEN
     for n_req, ctx, ql in cases:
         shape = f"{n_req}x{ql}x{ctx} heads {hq}/{hkv}/{d}"
         sd = sdpa_decode_ms(n_req, ctx, ql, hq, hkv, d, dev)[0]
@@ -63,11 +70,15 @@ def ab(presets: list[str], dev, heads=(32, 8, 128), cases=((32, 32768, 1), (1, 1
             c.run()
             ref = c.out.float().clone()
             paged_decode.ENABLED = True
-            new = _bench(c.run)
-            c.run()
-            err = float((c.out.float() - ref).norm() / ref.norm())
-            row(shape=shape, preset=p, general_ms=old, sliced_ms=new, speedup=old / new, sliced_vs_sdpa=sd / new,
-                of_copy=c.bytes / new / 1e6 / bw, diff=err)  # fmt: skip
+            paged_decode.MAX_QUERY_LEN = ql
+            for lookup in lookups:
+                paged_decode.LOOKUP = lookup
+                new = _bench(c.run)
+                c.run()
+                err = float((c.out.float() - ref).norm() / ref.norm())
+                row(shape=shape, preset=p, lookup=lookup, general_ms=old, sliced_ms=new, speedup=old / new,
+                    sliced_vs_sdpa=sd / new, of_copy=c.bytes / new / 1e6 / bw, diff=err)  # fmt: skip
+            paged_decode.LOOKUP, paged_decode.MAX_QUERY_LEN = saved
             del c
             torch.cuda.empty_cache()
 
@@ -78,6 +89,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size")
     ap.add_argument("--cases", default="32x32768x1,1x131072x1,32x32768x5", help="requests x context x query tokens")
+    ap.add_argument("--lookups", default="shfl,prmt", help="slice decoders to time (paged_decode.LOOKUP)")
     ap.add_argument("--no-checks", action="store_true", help="skip the real-size reference checks")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -85,7 +97,7 @@ def main() -> None:
         checks()
     heads = tuple(int(x) for x in args.heads.split(","))
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    ab(args.presets.split(","), dev, heads, cases)
+    ab(args.presets.split(","), dev, heads, cases, tuple(args.lookups.split(",")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ROWS, f, indent=1)

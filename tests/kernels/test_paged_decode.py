@@ -101,24 +101,30 @@ def test_decode_gpu_real_sizes(preset, hq, hkv, d, spy):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3"])
-def test_prmt_equals_gathers(preset, monkeypatch):
-    """The PRMT decoder must produce the codebook's fp16 bits exactly: outputs identical to the
-    gather path on the same pages."""
+@pytest.mark.parametrize("lookup", ["shfl", "prmt"])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub"])
+@pytest.mark.parametrize("qlen", [1, 5])
+def test_asm_decoders_equal_gathers(preset, lookup, qlen, monkeypatch):
+    """The inline-PTX slice decoders (shuffle or PRMT codebook lookups, magic-number min-max values)
+    must produce the fp16 operands bit for bit: outputs identical to the gather path on the same
+    pages, for decode and for verify rows."""
     d, hq, hkv, bs = 128, 32, 8, 16
     ctx = [3000, 777, 1500]
     gen = torch.Generator().manual_seed(7)
     fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
-    nblocks = sum((c + 1 + bs - 1) // bs for c in ctx) + 4
-    meta = make_meta(ctx, [1, 1, 1], bs, nblocks, DEV, seed=7)
+    nblocks = sum((c + qlen + bs - 1) // bs for c in ctx) + 4
+    meta = make_meta(ctx, [qlen] * 3, bs, nblocks, DEV, seed=7)
     store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
     fill_context(store, 0, meta, ctx, gen)
-    q, k, v = (torch.randn(3, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+    T = 3 * qlen
+    q, k, v = (torch.randn(T, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
     fmt.write(store.pages[0], k, v, meta.slot_mapping)
+    monkeypatch.setattr(paged_decode, "MAX_QUERY_LEN", qlen)
     outs = []
-    for prmt in (True, False):
-        monkeypatch.setattr(paged_decode, "PRMT", prmt)
+    for mode in (lookup, "gather"):
+        monkeypatch.setattr(paged_decode, "LOOKUP", mode)
         lay = layout_for_format(fmt, DEV)
+        assert paged_decode.eligible(lay, qlen, d)
         outs.append(
             paged_attention(q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0])
         )

@@ -44,10 +44,15 @@ from tqserve.attention.tuning import group_pad
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
 # Smallest head size dispatched here (by measurement, see `eligible`).
 MIN_HEAD_DIM = 128
-PRMT = True  # GPU: 4-bit codebook slices by PRMT lookups (False: fp16 gathers, as in the interpreter)
+# GPU decoders of 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
+# numbers), "prmt" (codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
+LOOKUP = "shfl"
 BLOCK_N = 64
 NUM_WARPS = 4
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
+
+
+MAX_QUERY_LEN = 1  # query tokens per request served here (benchmarks raise it to time verify steps)
 
 
 def eligible(layout, max_query_len: int, head_dim: int) -> bool:
@@ -62,7 +67,9 @@ def eligible(layout, max_query_len: int, head_dim: int) -> bool:
     sliced kernel is 2.9x slower for 4-bit keys and 3.5x for tq3 (16-deep dots, a quarter of the work
     per slice). The kernel itself runs any d >= 64 (the tests lower the threshold).
     """
-    if not ENABLED or max_query_len != 1 or layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
+    if not ENABLED or max_query_len > MAX_QUERY_LEN:
+        return False
+    if layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
         return False
     if head_dim & (head_dim - 1) or layout.key_bits not in (2, 4) or layout.val_bits not in (2, 4):
         return False
@@ -116,6 +123,71 @@ def prmt_slices(tables: tuple[int, int, int, int]) -> tuple[str, str, str, str]:
     return tuple(out)
 
 
+def _byte_words(vals: list[int]) -> list[int]:
+    """Little-endian 32-bit words of bytes, 4 per word (padded with zeros)."""
+    vals = vals + [0] * (-len(vals) % 4)
+    return [vals[i] | vals[i + 1] << 8 | vals[i + 2] << 16 | vals[i + 3] << 24 for i in range(0, len(vals), 4)]
+
+
+def shfl_slices(codebook16, bits: int) -> tuple[str, str, str, str]:
+    """PTX of slice j = 0..3 (same contract as `prmt_slices`, 2- or 4-bit codes in 16-bit words) by
+    warp-shuffle lookups: lane l holds the fp16 centroid c[l mod 2^b] in a register, and
+    `shfl.sync.idx` with the code as source lane returns c[code] - one shuffle per value, no selector
+    assembly. The shuffle reads only bits 4:0 of the source lane and the table repeats every 2^b
+    lanes, so a shifted word needs no mask. Shuffles run on their own pipe (32 per clock per SM),
+    beside the integer ALUs that the PRMT decoder saturates at ~6 instructions per value.
+
+    The table register depends on the lane only: it is built from immediates (PRMT lookups in the
+    codebook's lo / hi bytes) by the same instructions in every block, which ptxas hoists out of the
+    key loop and shares. Any codebook of 2^b fp16 entries (no symmetry needed)."""
+    import torch
+
+    assert codebook16.device.type == "cpu" and bits in (2, 4) and codebook16.numel() == 1 << bits
+    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
+    lo = _byte_words([v & 0xFF for v in raw])
+    hi = _byte_words([v >> 8 for v in raw])
+    regs = [f"L{i}" for i in range(len(lo))] + [f"H{i}" for i in range(len(hi))]
+    common = ".reg .pred p;\n.reg .b32 l, m, a, b, c, d, lo, hi, tb, xa, xb, ra, rb, " + ", ".join(regs) + ";\n"
+    common += "".join(f"mov.b32 L{i}, {w:#x};\n" for i, w in enumerate(lo))
+    common += "".join(f"mov.b32 H{i}, {w:#x};\n" for i, w in enumerate(hi))
+    common += "mov.u32 l, %laneid;\n"
+    if bits == 4:  # entries 0-7 from (L0, L1), 8-15 from (L2, L3); lane bit 3 picks the half
+        common += "and.b32 m, l, 7;\nprmt.b32 a, L0, L1, m;\nprmt.b32 b, L2, L3, m;\n"
+        common += "prmt.b32 c, H0, H1, m;\nprmt.b32 d, H2, H3, m;\n"
+        common += "and.b32 m, l, 8;\nsetp.ne.u32 p, m, 0;\nselp.b32 lo, b, a, p;\nselp.b32 hi, d, c, p;\n"
+    else:  # four entries: one word of lo bytes, one of hi bytes
+        common += "and.b32 m, l, 3;\nprmt.b32 lo, L0, L0, m;\nprmt.b32 hi, H0, H0, m;\n"
+    common += "prmt.b32 tb, lo, hi, 0x0040;\n"  # fp16 c[l mod 2^b] in the low half
+    out = []
+    for j in range(4):
+        body = common + (f"shr.u32 xa, $1, {bits * j};\n" if j else "mov.b32 xa, $1;\n")
+        body += f"shr.u32 xb, $1, {16 + bits * j};\n"
+        body += "shfl.sync.idx.b32 ra, tb, xa, 0x1f, 0xffffffff;\n"
+        body += "shfl.sync.idx.b32 rb, tb, xb, 0x1f, 0xffffffff;\n"
+        body += "prmt.b32 $0, ra, rb, 0x5410;\n"  # (ra.lo, rb.lo)
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
+def minmax_slices(bits: int) -> tuple[str, str, str, str]:
+    """PTX of slice j = 0..3 for 2- / 4-bit min-max codes in 16-bit words: two words in one register
+    -> fp16x2 (idx_j - h of word 0, of word 1), h = (2^b - 1) // 2. The codes go into the mantissas
+    of 1024 (0x6400 | idx is exactly 1024 + idx) by one LOP3, then one f16x2 subtraction of 1024 + h
+    (exact): 3 instructions per 2 values, bit-identical to `_mm_slice`."""
+    assert bits in (2, 4)
+    mask = (1 << bits) - 1
+    k = 0x6400 + mask // 2
+    out = []
+    for j in range(4):
+        body = ".reg .b32 t, k, mk, mg;\n"
+        body += f"mov.b32 k, {k | k << 16:#x};\nmov.b32 mk, {mask | mask << 16:#x};\nmov.b32 mg, 0x64006400;\n"
+        body += f"shr.u32 t, $1, {bits * j};\n" if j else "mov.b32 t, $1;\n"
+        body += "lop3.b32 t, t, mk, mg, 0xea;\n"  # (t & mk) | mg
+        body += "sub.f16x2 $0, t, k;\n"
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
 @triton.jit
 def _prmt(w, ASM: tl.constexpr):
     return tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
@@ -144,7 +216,11 @@ def _words(
         kk = k[None, :]
         m = nmask[:, None]
     if WB == 1:
-        w = tl.load(ptr + row * NB + kk, mask=m, other=0).to(tl.int32)
+        w = tl.load(ptr + row * NB + kk, mask=m, other=0)
+        if RAW:  # 16-bit words, the byte in the low half (the asm decoders take two per register)
+            w = w.to(tl.int16) & 0xFF
+        else:
+            w = w.to(tl.int32) & 0xFF
     else:
         w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + row * (NB // 2) + kk, mask=m, other=0)
         if not RAW:
@@ -177,6 +253,8 @@ def _v_slice(
 ):
     if VAL_MODE == 1:
         return _cb_slice(w, j, cb_ptr, BITS, ASM, OUT_T)
+    elif ASM != "":
+        return _prmt(w, ASM).to(OUT_T)  # min-max magic-number decoder (same calling convention)
     else:
         return _mm_slice(w, j, BITS, OUT_T)
 
@@ -362,17 +440,25 @@ def _decode_kernel(
 
 
 def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
-    """PRMT slice decoders for a 4-bit codebook side on the GPU, else empty strings (gathers)."""
-    cb16 = layout.key_cb16 if side == "k" else layout.val_cb16
-    if _interpreting() or not PRMT or bits != 4 or cb16 is None or not cb16.is_cuda:
-        return ("", "", "", "")
-    cache = layout.__dict__.setdefault("_prmt_cache", {})
-    if side not in cache:
+    """Inline-PTX slice decoders for a side on the GPU (`LOOKUP`), else empty strings (gathers)."""
+    none = ("", "", "", "")
+    if _interpreting() or LOOKUP == "gather" or not layout.key_cb16.is_cuda:
+        return none
+    if side == "v" and layout.val_mode == MINMAX:
+        return minmax_slices(bits) if LOOKUP == "shfl" else none
+    if LOOKUP == "prmt" and bits != 4:
+        return none
+    cache = layout.__dict__.setdefault("_asm_cache", {})
+    if (side, LOOKUP) not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
-        tables = prmt_tables(tq_codebook(bits, layout.head_dim)[0].half())  # host copy of cb16
-        cache[side] = prmt_slices(tables) if tables is not None else ("", "", "", "")
-    return cache[side]
+        host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
+        if LOOKUP == "shfl":
+            cache[side, LOOKUP] = shfl_slices(host, bits)
+        else:
+            tables = prmt_tables(host)
+            cache[side, LOOKUP] = prmt_slices(tables) if tables is not None else none
+    return cache[side, LOOKUP]
 
 
 def pick_splits(programs: int, max_seq_len: int, sms: int) -> int:
@@ -431,7 +517,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     kcb = layout.key_cb16
     vcb = layout.val_cb16 if layout.val_cb16 is not None else kcb
     kasm = _asm_for(layout, "k", layout.key_bits)
-    vasm = _asm_for(layout, "v", layout.val_bits) if layout.val_mode == CODEBOOK else ("", "", "", "")
+    vasm = _asm_for(layout, "v", layout.val_bits)
     stride_os = part.stride(0) if not direct else 0
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
     _decode_kernel[grid](
