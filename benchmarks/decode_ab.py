@@ -47,12 +47,23 @@ def checks() -> None:
             row(check=preset, shape=f"{hq}/{hkv}/{d}", case=name, result=msg)
 
 
+def _apply(variant: str) -> str:
+    """Set paged_decode module knobs from "NAME=VALUE;NAME=VALUE"; returns the string that undoes it."""
+    undo = []
+    for kv in filter(None, variant.split(";")):
+        name, val = kv.split("=")
+        undo.append(f"{name}={getattr(paged_decode, name)}")
+        setattr(paged_decode, name, type(getattr(paged_decode, name))(int(val) if val.isdigit() else val))
+    return ";".join(undo)
+
+
 def ab(
     presets: list[str],
     dev,
     heads=(32, 8, 128),
     cases=((32, 32768, 1), (1, 131072, 1), (32, 32768, 5)),
     lookups=("shfl", "prmt"),
+    variants=("",),
 ) -> None:
     bw = copy_bandwidth(dev)
     row(copy_GBps=bw)
@@ -72,12 +83,15 @@ def ab(
             paged_decode.ENABLED = True
             paged_decode.MAX_QUERY_LEN = ql
             for lookup in lookups:
-                paged_decode.LOOKUP = lookup
-                new = _bench(c.run)
-                c.run()
-                err = float((c.out.float() - ref).norm() / ref.norm())
-                row(shape=shape, preset=p, lookup=lookup, general_ms=old, sliced_ms=new, speedup=old / new,
-                    sliced_vs_sdpa=sd / new, of_copy=c.bytes / new / 1e6 / bw, diff=err)  # fmt: skip
+                for variant in variants:
+                    paged_decode.LOOKUP = lookup
+                    undo = _apply(variant)
+                    new = _bench(c.run)
+                    c.run()
+                    err = float((c.out.float() - ref).norm() / ref.norm())
+                    row(shape=shape, preset=p, lookup=lookup, variant=variant or "-", general_ms=old, sliced_ms=new,
+                        speedup=old / new, sliced_vs_sdpa=sd / new, of_copy=c.bytes / new / 1e6 / bw, diff=err)  # fmt: skip
+                    _apply(undo)
             paged_decode.LOOKUP, paged_decode.MAX_QUERY_LEN = saved
             del c
             torch.cuda.empty_cache()
@@ -90,6 +104,8 @@ def main() -> None:
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size")
     ap.add_argument("--cases", default="32x32768x1,1x131072x1,32x32768x5", help="requests x context x query tokens")
     ap.add_argument("--lookups", default="shfl,prmt", help="slice decoders to time (paged_decode.LOOKUP)")
+    ap.add_argument("--variants", default="", help="paged_decode knob sets to time, e.g. 'PREFETCH=0,BLOCK_N=128'")
+    ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (no host launch overhead)")
     ap.add_argument("--no-checks", action="store_true", help="skip the real-size reference checks")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -97,7 +113,12 @@ def main() -> None:
         checks()
     heads = tuple(int(x) for x in args.heads.split(","))
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    ab(args.presets.split(","), dev, heads, cases, tuple(args.lookups.split(",")))
+    if args.graphs:
+        from tqserve.bench import kernels
+
+        kernels.GRAPHS = True
+    variants = tuple(v.replace(":", ";") for v in args.variants.split(",")) if args.variants else ("",)
+    ab(args.presets.split(","), dev, heads, cases, tuple(args.lookups.split(",")), variants)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ROWS, f, indent=1)

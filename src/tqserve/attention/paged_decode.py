@@ -48,7 +48,10 @@ MIN_HEAD_DIM = 128
 # numbers), "prmt" (codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
 BLOCK_N = 64
-NUM_WARPS = 4
+NUM_WARPS = 4  # programs of 16 rows (decode, GQA <= 16)
+NUM_WARPS_WIDE = 8  # programs of 32+ rows (verify): halves the accumulator registers per thread
+NUM_STAGES = 1
+PREFETCH = True  # load tile i + 1 while tile i is decoded (see the key loop)
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
@@ -306,7 +309,7 @@ def _decode_kernel(
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -365,15 +368,34 @@ def _decode_kernel(
         accx = tl.zeros([BM, D], dtype=tl.float32)  # exact values (unrotated), a second output part
     vsum = tl.zeros([BM], dtype=tl.float32)  # min-max: sum of p * (zero + h * scale)
     bt_row = bt_ptr + req * stride_bt
+    # Software pipelining by hand (PREFETCH): the next tile's block-table entries, words and norms
+    # are loaded before this tile is decoded, so their latency (two dependent global loads) overlaps
+    # the decode and the dots instead of stalling every iteration.
+    nk = lo + tl.arange(0, BLOCK_N)
+    tokp_n = _tile_rows(bt_row, nk, nk < hi, kvh, HKV, BS)
+    kw_n = _words(kp_ptr, tokp_n, nk < hi, KEY_BITS, SW, D, True, KRAW)
+    ksc_n = tl.load(ks_ptr + tokp_n, mask=nk < hi, other=0.0)
+    vw_n = _words(vp_ptr, tokp_n, nk < hi, VAL_BITS, SW, D, False, VRAW)
+    vsc_n = tl.load(vs_ptr + tokp_n, mask=nk < hi, other=0.0)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
-        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, True, KRAW)
-        ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, False, VRAW)
-        vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-
+        if PREFETCH:
+            tokp, kw, ksc, vw, vsc = tokp_n, kw_n, ksc_n, vw_n, vsc_n
+            nk = n + BLOCK_N
+            tokp_n = _tile_rows(bt_row, nk, nk < hi, kvh, HKV, BS)
+            kw_n = _words(kp_ptr, tokp_n, nk < hi, KEY_BITS, SW, D, True, KRAW)
+            ksc_n = tl.load(ks_ptr + tokp_n, mask=nk < hi, other=0.0)
+            vw_n = _words(vp_ptr, tokp_n, nk < hi, VAL_BITS, SW, D, False, VRAW)
+            vsc_n = tl.load(vs_ptr + tokp_n, mask=nk < hi, other=0.0)
+        else:
+            tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+            kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, True, KRAW)
+            ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0)
+            vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, False, VRAW)
+            vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0)
+        ksc = ksc.to(tl.float32)
+        vsc = vsc.to(tl.float32)
         # ---- scores against the packed keys: one K = d / S dot per slice
         s = tl.dot(q0, _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), input_precision=PREC)
         s = tl.dot(q1, _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), s, input_precision=PREC)
@@ -532,7 +554,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
-        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=1,
+        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", PREFETCH=PREFETCH,
+        num_warps=NUM_WARPS if bq * gp <= 16 else NUM_WARPS_WIDE, num_stages=NUM_STAGES,
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
