@@ -89,8 +89,9 @@ def ab(
                     new = _bench(c.run)
                     c.run()
                     err = float((c.out.float() - ref).norm() / ref.norm())
-                    row(shape=shape, preset=p, lookup=lookup, variant=variant or "-", general_ms=old, sliced_ms=new,
-                        speedup=old / new, sliced_vs_sdpa=sd / new, of_copy=c.bytes / new / 1e6 / bw, diff=err)  # fmt: skip
+                    row(shape=shape, preset=p, lookup=lookup, variant=variant or "-", general_ms=old,
+                        sliced_ms=new, speedup=old / new, sliced_vs_sdpa=sd / new, of_copy=c.bytes / new / 1e6 / bw,
+                        diff=err)  # fmt: skip
                     _apply(undo)
             paged_decode.LOOKUP, paged_decode.MAX_QUERY_LEN = saved
             del c
