@@ -51,6 +51,7 @@ BLOCK_N = 64
 NUM_WARPS = 4  # programs of 16 rows (decode, GQA <= 16)
 NUM_WARPS_WIDE = 8  # programs of 32+ rows (verify): halves the accumulator registers per thread
 NUM_STAGES = 1
+SPLIT_TARGET = 4  # programs per SM the split-K count aims at
 PREFETCH = True  # load tile i + 1 while tile i is decoded (see the key loop)
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
@@ -309,7 +310,7 @@ def _decode_kernel(
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_X: tl.constexpr,
 ):  # fmt: skip
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -346,13 +347,6 @@ def _decode_kernel(
     q1 = _q_slice(q_ptr, tok, hq, row_ok, 1, qk_scale, stride_qt, SW, D, pk_t)
     q2 = _q_slice(q_ptr, tok, hq, row_ok, 2, qk_scale, stride_qt, SW, D, pk_t)
     q3 = _q_slice(q_ptr, tok, hq, row_ok, 3, qk_scale, stride_qt, SW, D, pk_t)
-    if HAS_EXACT:
-        d = tl.arange(0, D)
-        qx = tl.load(qx_ptr + tok[:, None] * stride_qxt + hq[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        qx = (qx.to(tl.float32) * qk_scale).to(dot_t)
-        seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
-        sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
-
     kv_end = tl.minimum(seq_len, ctx + qb0 + BLOCK_Q)
     q_min = ctx + qb0
     lo = pid_s * split_n
@@ -364,10 +358,11 @@ def _decode_kernel(
     a1 = tl.zeros([BM, KV], dtype=tl.float32)
     a2 = tl.zeros([BM, KV], dtype=tl.float32)
     a3 = tl.zeros([BM, KV], dtype=tl.float32)
-    if NPART == 2:
-        accx = tl.zeros([BM, D], dtype=tl.float32)  # exact values (unrotated), a second output part
     vsum = tl.zeros([BM], dtype=tl.float32)  # min-max: sum of p * (zero + h * scale)
     bt_row = bt_ptr + req * stride_bt
+    # ---- packed keys / values. (row, key) pairs the exact rule claims are masked out here and done
+    # by the exact pass below, so the exact query, buffers and accumulator are not live (registers)
+    # during this loop.
     # Software pipelining by hand (PREFETCH): the next tile's block-table entries, words and norms
     # are loaded before this tile is decoded, so their latency (two dependent global loads) overlaps
     # the decode and the dots instead of stalling every iteration.
@@ -396,55 +391,76 @@ def _decode_kernel(
             vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0)
         ksc = ksc.to(tl.float32)
         vsc = vsc.to(tl.float32)
-        # ---- scores against the packed keys: one K = d / S dot per slice
+        # scores against the packed keys: one K = d / S dot per slice
         s = tl.dot(q0, _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), input_precision=PREC)
         s = tl.dot(q1, _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), s, input_precision=PREC)
         s = tl.dot(q2, _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), s, input_precision=PREC)
         s = tl.dot(q3, _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t), s, input_precision=PREC)
         s = s * ksc[None, :]
-        if HAS_EXACT:
-            tile_exact = (n0 < SINK) | (n0 + BLOCK_N - 1 > q_min - WINDOW)
-            if tile_exact:
-                need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
-                kx = _load_exact(
-                    kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
-                    seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
-                )  # fmt: skip
-                sx = tl.dot(qx, tl.trans(kx.to(dot_t)), input_precision=PREC)
-                s = tl.where(ex, sx, s)
-
         valid = row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
+        if HAS_EXACT:
+            valid = valid & ~_exact_masks(n, qpos, q_min, SINK, WINDOW)[1]
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-
-        # ---- values
-        pp = p
-        if NPART == 2:
-            accx = accx * alpha[:, None]
-        if HAS_EXACT:  # noqa: SIM102 (constexpr test, then a runtime one: must stay nested)
-            if tile_exact:
-                # (again: values defined inside the key section's runtime branch do not reach here)
-                need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
-                pe = tl.where(ex, p, 0.0)
-                pp = tl.where(ex, 0.0, p)
-                vx = _load_exact(
-                    vn_ptr, rv_ptr, sv_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_vnt,
-                    seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
-                )  # fmt: skip
-                accx = tl.dot(pe.to(dot_t), vx.to(dot_t), accx, input_precision=PREC)
         if VAL_MODE == 2:
             vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
             HI: tl.constexpr = ((1 << VAL_BITS) - 1) // 2
-            vsum = vsum * alpha + tl.sum(pp * (vze + HI * vsc)[None, :], 1)
-        pv = (pp * vsc[None, :]).to(pk_t)
+            vsum = vsum * alpha + tl.sum(p * (vze + HI * vsc)[None, :], 1)
+        pv = (p * vsc[None, :]).to(pk_t)
         a0 = _acc_update(a0, alpha, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
         a1 = _acc_update(a1, alpha, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
         a2 = _acc_update(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
         a3 = _acc_update(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
+
+    if NPART == 2:
+        # ---- the exact pass: sinks [0, S) and the window of the block's first query, in tiles of
+        # BLOCK_X keys; the same online softmax (m_i, l_i) continues, the packed accumulators are
+        # rescaled with it, and exact values accumulate unrotated in a second output part.
+        d = tl.arange(0, D)
+        qx = tl.load(qx_ptr + tok[:, None] * stride_qxt + hq[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        qx = (qx.to(tl.float32) * qk_scale).to(dot_t)
+        seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
+        sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
+        accx = tl.zeros([BM, D], dtype=tl.float32)
+        sink_hi = tl.minimum(hi, SINK)
+        win_lo = hi
+        if WINDOW > 0:
+            win_lo = tl.maximum(tl.maximum(lo, SINK), q_min - WINDOW + 1)
+        n_sink = tl.maximum(sink_hi - lo, 0)
+        x_tiles = tl.cdiv(n_sink, BLOCK_X) + tl.cdiv(tl.maximum(hi - win_lo, 0), BLOCK_X)
+        for t in range(0, x_tiles):
+            sink_tile = t * BLOCK_X < n_sink
+            start = tl.where(sink_tile, lo + t * BLOCK_X, win_lo + t * BLOCK_X - tl.cdiv(n_sink, BLOCK_X) * BLOCK_X)
+            stop = tl.where(sink_tile, sink_hi, hi)
+            n = start + tl.arange(0, BLOCK_X)
+            nmask = n < stop
+            need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
+            kx = _load_exact(
+                kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
+                seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+            )  # fmt: skip
+            s = tl.dot(qx, tl.trans(kx.to(dot_t)), input_precision=PREC)
+            valid = ex & row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            vsum = vsum * alpha
+            a0 = a0 * alpha[:, None]
+            a1 = a1 * alpha[:, None]
+            a2 = a2 * alpha[:, None]
+            a3 = a3 * alpha[:, None]
+            vx = _load_exact(
+                vn_ptr, rv_ptr, sv_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_vnt,
+                seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+            )  # fmt: skip
+            accx = tl.dot(p.to(dot_t), vx.to(dot_t), accx * alpha[:, None], input_precision=PREC)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     vs = vsum[:, None]
@@ -484,8 +500,8 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
 
 
 def pick_splits(programs: int, max_seq_len: int, sms: int) -> int:
-    """Split-K so that about four programs per SM are resident (at least 4 key tiles per split)."""
-    target = 4 * sms
+    """Split-K so that about SPLIT_TARGET programs per SM are resident (at least 4 key tiles per split)."""
+    target = SPLIT_TARGET * sms
     if programs >= target:
         return 1
     tiles = triton.cdiv(max(1, max_seq_len), BLOCK_N)
@@ -554,7 +570,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
-        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", PREFETCH=PREFETCH,
+        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", PREFETCH=PREFETCH, BLOCK_X=16,
         num_warps=NUM_WARPS if bq * gp <= 16 else NUM_WARPS_WIDE, num_stages=NUM_STAGES,
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
