@@ -56,14 +56,30 @@ def test_eligibility(monkeypatch):
 
     for p in SLICED:
         assert paged_decode.eligible(lay(p), 1, 128), p
-        assert not paged_decode.eligible(lay(p, 64), 1, 64), p  # slower than the general kernel at d = 64
+        assert paged_decode.eligible(lay(p, 64), 1, 64), p  # d = 64: one-warp programs, faster too
         with monkeypatch.context() as m:
-            m.setattr(paged_decode, "MIN_HEAD_DIM", 64)
-            assert paged_decode.eligible(lay(p, 64), 1, 64), p
-        assert not paged_decode.eligible(lay(p), 5, 128), p  # verify steps: the general kernel
+            m.setattr(paged_decode, "MIN_HEAD_DIM", 128)
+            assert not paged_decode.eligible(lay(p, 64), 1, 64), p
+        assert paged_decode.eligible(lay(p), 5, 128, group=4), p  # verify: 8 x 4 rows
+        assert not paged_decode.eligible(lay(p), 5, 128, group=8), p  # 64 rows: the general kernel
+        assert not paged_decode.eligible(lay(p), 9, 128), p  # past MAX_QUERY_LEN
     # 3- and 5-bit codes, dense keys, exact pages: the general kernel
     for p in ["turboquant_3bit_nc", "tq4", "tq4s", "turboquant_k8v4", "fp8", "auto"]:
         assert not paged_decode.eligible(lay(p), 1, 128), p
+
+
+def test_launch_configs():
+    """16-row programs at d >= 128 take the wide configuration, verify rows and d = 64 one warp."""
+    assert paged_decode.launch_config(16, 128) == (
+        paged_decode.NUM_WARPS,
+        paged_decode.BLOCK_N,
+        paged_decode.SPLIT_TARGET,
+    )
+    small = (paged_decode.SMALL_NUM_WARPS, paged_decode.SMALL_BLOCK_N, paged_decode.SMALL_SPLIT_TARGET)
+    assert paged_decode.launch_config(32, 128) == small
+    assert paged_decode.launch_config(16, 64) == small
+    assert paged_decode.program_rows(1, 4) == 16 and paged_decode.program_rows(5, 4) == 32
+    assert paged_decode.program_rows(5, 7) == 64  # GQA 7 pads to 8
 
 
 @pytest.mark.parametrize("preset", SLICED)
@@ -73,6 +89,16 @@ def test_decode_matches_reference(preset, hq, hkv, d, spy):
     window, one inside it), one split and several (split-K partials combined)."""
     for splits in (None, 3):
         _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
+    assert len(spy) == 2
+
+
+@pytest.mark.parametrize("preset", SLICED)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (12, 3, 64)])
+def test_verify_matches_reference(preset, hq, hkv, d, spy):
+    """Verify batches (1 + k query tokens, causal among themselves, mixed with a decode row and a
+    request whose window spans its drafts), one split and several."""
+    for splits in (None, 3):
+        _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
     assert len(spy) == 2
 
 

@@ -700,7 +700,7 @@ def paged_attention(
     # ---- decode steps over 2- / 4-bit codebook keys: the sliced kernel (attention/paged_decode.py)
     from tqserve.attention import paged_decode
 
-    if paged_decode.eligible(layout, meta.max_query_len, q.shape[-1]):
+    if paged_decode.eligible(layout, meta.max_query_len, q.shape[-1], q.shape[1] // k_new.shape[1]):
         args = (q, k_new, v_new, pages, layout, meta, scale, ring, sinks, out, num_splits)
         return paged_decode.decode_attention(*args)
     T, hq, d = q.shape

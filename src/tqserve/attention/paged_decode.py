@@ -42,36 +42,48 @@ from tqserve.attention.paged import (
 from tqserve.attention.tuning import group_pad
 
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
-# Smallest head size dispatched here (by measurement, see `eligible`).
-MIN_HEAD_DIM = 128
+MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # GPU decoders of 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
 # numbers), "prmt" (codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
-BLOCK_N = 64
-NUM_WARPS = 4  # programs of 16 rows (decode, GQA <= 16)
-NUM_WARPS_WIDE = 8  # programs of 32+ rows (verify): halves the accumulator registers per thread
-NUM_STAGES = 1
+# Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants):
+# - decode at d >= 128 (16-row programs): 4 warps over 128-key tiles, split-K for ~4 programs / SM;
+# - verify rows (32 per program) and d < 128: one warp over 32-key tiles, split-K for ~12 programs
+#   per SM. One warp means no cross-warp softmax reductions (no barriers in the key loop) and no
+#   operand decoded twice: with 32 rows, 4 warps tile the dots 2 x 2 and decode every word twice.
+BLOCK_N = 128
+NUM_WARPS = 4
 SPLIT_TARGET = 4  # programs per SM the split-K count aims at
-PREFETCH = True  # load tile i + 1 while tile i is decoded (see the key loop)
+SMALL_BLOCK_N = 32
+SMALL_NUM_WARPS = 1
+SMALL_SPLIT_TARGET = 12
+NUM_STAGES = 1
+PREFETCH = False  # load tile i + 1 while tile i is decoded (slower where measured: more registers)
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
-MAX_QUERY_LEN = 1  # query tokens per request served here (benchmarks raise it to time verify steps)
+MAX_QUERY_LEN = 8  # query tokens per request served here (verify steps of up to 7 drafts)
+MAX_ROWS = 32  # rows per program (one-warp programs hold [rows, d] accumulators in registers)
 
 
-def eligible(layout, max_query_len: int, head_dim: int) -> bool:
-    """Decode steps (one query token per request) over codebook keys and codebook / min-max values
-    whose codes come in 4-coordinate words (2- and 4-bit), power-of-two head sizes with at least 16
-    words per token (the K of a tensor-core dot).
+def program_rows(max_query_len: int, group: int) -> int:
+    """Rows of one program: (query tokens of a block) x (the GQA group padded), at least 16."""
+    gp = group_pad(group)
+    return max(16, triton.next_power_of_2(max(1, max_query_len)) * gp)
 
-    Chosen by measurement (H200, 32 x 32K, docs/benchmarks.md): faster than the general kernel for
-    4-bit keys with 4- / 2-bit values (1.2-1.6x); slower with 8-coordinate groups (3- and 5-bit
-    codes: byte-joined words, 8 slices, spills) and for verify steps (rows of 5 tokens x the group).
-    Head sizes below MIN_HEAD_DIM stay on the general kernel: at d = 64 (SmolLM2, 64 x 4K, H100) the
-    sliced kernel is 2.9x slower for 4-bit keys and 3.5x for tq3 (16-deep dots, a quarter of the work
-    per slice). The kernel itself runs any d >= 64 (the tests lower the threshold).
+
+def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
+    """Decode and verify steps (up to MAX_QUERY_LEN query tokens per request, programs of at most
+    MAX_ROWS rows) over codebook keys and codebook / min-max values whose codes come in 4-coordinate
+    words (2- and 4-bit), power-of-two head sizes with at least 16 words per token (the K of a
+    tensor-core dot).
+
+    Chosen by measurement (H100, CUDA-graph replays, docs/benchmarks.md): with the shuffle decoders
+    faster than the general kernel for 4-bit keys with 4- / 2-bit values at 32 x 32K (1.6-2.2x),
+    1 x 128K (1.4-1.9x), verify 32 x 5 x 32K (1.5-1.8x) and SmolLM2's d = 64 (64 x 4K: 1.4x for
+    4-bit keys, 1.7x for tq3). 3- and 5-bit codes (8-coordinate groups) stay on the general kernel.
     """
-    if not ENABLED or max_query_len > MAX_QUERY_LEN:
+    if not ENABLED or max_query_len > MAX_QUERY_LEN or program_rows(max_query_len, group) > MAX_ROWS:
         return False
     if layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
         return False
@@ -499,12 +511,19 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
     return cache[side, LOOKUP]
 
 
-def pick_splits(programs: int, max_seq_len: int, sms: int) -> int:
-    """Split-K so that about SPLIT_TARGET programs per SM are resident (at least 4 key tiles per split)."""
-    target = SPLIT_TARGET * sms
+def launch_config(rows: int, head_dim: int) -> tuple[int, int, int]:
+    """(warps, key tile, programs per SM for split-K) for programs of `rows` rows."""
+    if rows <= 16 and head_dim >= 128:
+        return NUM_WARPS, BLOCK_N, SPLIT_TARGET
+    return SMALL_NUM_WARPS, SMALL_BLOCK_N, SMALL_SPLIT_TARGET
+
+
+def pick_splits(programs: int, max_seq_len: int, sms: int, block_n: int = 128, per_sm: int = 4) -> int:
+    """Split-K so that about `per_sm` programs per SM are resident (at least 4 key tiles per split)."""
+    target = per_sm * sms
     if programs >= target:
         return 1
-    tiles = triton.cdiv(max(1, max_seq_len), BLOCK_N)
+    tiles = triton.cdiv(max(1, max_seq_len), block_n)
     return max(1, min(triton.cdiv(target, programs), max(1, tiles // 4), 128))
 
 
@@ -522,14 +541,16 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     dev = q.device
     q, k_new, v_new = _row_major(q), _row_major(k_new), _row_major(v_new)
     bq = triton.next_power_of_2(max(1, meta.max_query_len))
-    while bq * gp > 64 and bq > 1:
+    while bq * gp > MAX_ROWS and bq > 1:
         bq //= 2
     bq = max(bq, 16 // gp)  # tl.dot needs at least 16 rows
     n_qblocks = triton.cdiv(max(1, meta.max_query_len), bq)
-    splits = num_splits or pick_splits(meta.num_reqs * hkv * n_qblocks, meta.max_seq_len, _num_sms(dev))
-    tiles = triton.cdiv(max(1, meta.max_seq_len), BLOCK_N)
-    split_n = triton.cdiv(tiles, splits) * BLOCK_N
-    splits = triton.cdiv(tiles * BLOCK_N, split_n)
+    warps, block_n, per_sm = launch_config(bq * gp, d)
+    programs = meta.num_reqs * hkv * n_qblocks
+    splits = num_splits or pick_splits(programs, meta.max_seq_len, _num_sms(dev), block_n, per_sm)
+    tiles = triton.cdiv(max(1, meta.max_seq_len), block_n)
+    split_n = triton.cdiv(tiles, splits) * block_n
+    splits = triton.cdiv(tiles * block_n, split_n)
 
     qx = q
     model_f32 = qx.dtype == torch.float32
@@ -565,12 +586,12 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         q.stride(0), qx.stride(0), k_new.stride(0), v_new.stride(0), meta.block_tables.stride(0),
         stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
         split_n, scale * LOG2E,
-        HKV=hkv, G=group, GP=gp, D=d, BS=bs, BLOCK_Q=bq, BLOCK_N=BLOCK_N,
+        HKV=hkv, G=group, GP=gp, D=d, BS=bs, BLOCK_Q=bq, BLOCK_N=block_n,
         KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, SW=S,
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", PREFETCH=PREFETCH, BLOCK_X=16,
-        num_warps=NUM_WARPS if bq * gp <= 16 else NUM_WARPS_WIDE, num_stages=NUM_STAGES,
+        num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
