@@ -138,6 +138,17 @@ def layout_for_format(fmt, device: torch.device | str) -> PageLayout:
     return lay
 
 
+def centroid_tables(layout: PageLayout, pairs: bool, model_f32: bool):
+    """(key table, value table, pairs) a launcher passes: fp16 pair tables or fp16 centroids for
+    bf16 / fp16 models; the float32 centroids (no pair tables) for float32 models, whose attention
+    must match the float32 reference to the last bits (fp16 centroids differ by up to 2^-11)."""
+    if model_f32:
+        return layout.key_codebook, layout.val_codebook, False
+    kcb = layout.key_pairs if pairs and layout.key_pairs is not None else layout.key_cb16
+    vcb = layout.val_pairs if pairs and layout.val_pairs is not None else layout.val_cb16
+    return kcb, vcb, pairs
+
+
 def pair_table(codebook: torch.Tensor, bits: int) -> torch.Tensor | None:
     """Two fp16 centroids per int32 entry, indexed by two consecutive b-bit indices (first one in the
     low bits): one 4-byte L1 gather decodes two elements, already packed as the MMA operand wants.
@@ -745,9 +756,8 @@ def paged_attention(
     ks = pages[layout.key_scale_name] if layout.key_scale_name else dummy
     vs = pages[layout.val_scale_name] if layout.val_scale_name else dummy
     vz = pages[layout.val_zero_name] if layout.val_zero_name else dummy
-    pairs, ints = FAST["pairs"], FAST["ints"]
-    kcb = layout.key_pairs if pairs and layout.key_pairs is not None else layout.key_cb16
-    vcb = layout.val_pairs if pairs and layout.val_pairs is not None else layout.val_cb16
+    ints = FAST["ints"]
+    kcb, vcb, pairs = centroid_tables(layout, FAST["pairs"], model_f32)
     kcb = kcb if kcb is not None else dummy
     vcb = vcb if vcb is not None else dummy
     rk, rv = ring if ring is not None else (k_new, v_new)

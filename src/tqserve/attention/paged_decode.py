@@ -37,6 +37,7 @@ from tqserve.attention.paged import (
     _num_sms,
     _row_major,
     _tile_rows,
+    centroid_tables,
     finish_parts,
 )
 from tqserve.attention.tuning import group_pad
@@ -573,10 +574,11 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     ks = pages[layout.key_scale_name]
     vs = pages[layout.val_scale_name]
     vz = pages[layout.val_zero_name] if layout.val_zero_name else vs
-    kcb = layout.key_cb16
-    vcb = layout.val_cb16 if layout.val_cb16 is not None else kcb
-    kasm = _asm_for(layout, "k", layout.key_bits)
-    vasm = _asm_for(layout, "v", layout.val_bits)
+    kcb, vcb, _ = centroid_tables(layout, False, model_f32)
+    vcb = vcb if vcb is not None else kcb
+    # float32 models gather float32 centroids (the asm decoders make fp16 operands)
+    kasm = ("", "", "", "") if model_f32 else _asm_for(layout, "k", layout.key_bits)
+    vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits)
     stride_os = part.stride(0) if not direct else 0
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
     _decode_kernel[grid](

@@ -51,6 +51,7 @@ from tqserve.attention.paged import (
     _row_major,
     _tile_rows,
     _widen,
+    centroid_tables,
     finish_parts,
 )
 from tqserve.attention.tuning import group_pad, pick_splits
@@ -213,7 +214,10 @@ def _val_tile(vr, vsc, vze, vcb_ptr, VAL_MODE: tl.constexpr, VAL_BITS: tl.conste
     elif VAL_BITS <= 4:
         HI: tl.constexpr = ((1 << VAL_BITS) - 1) // 2
         c = _ints(vr, VAL_BITS, DP, BN, False) - (1024.0 + HI)  # exact in fp16
-        v = (c * vsc.to(tl.float16)[:, None] + (vze + HI * vsc).to(tl.float16)[:, None]).to(VT)
+        if VT == tl.float32:  # float32 models: no fp16 rounding of the dequantized values
+            v = c.to(tl.float32) * vsc[:, None] + (vze + HI * vsc)[:, None]
+        else:
+            v = (c * vsc.to(tl.float16)[:, None] + (vze + HI * vsc).to(tl.float16)[:, None]).to(VT)
     else:
         HALF: tl.constexpr = ((1 << VAL_BITS) - 1) * 0.5
         c = _indices(vr, VAL_BITS, DP, BN).to(tl.float32) - HALF
@@ -625,10 +629,10 @@ def extend_attention(
     ks = pages[layout.key_scale_name] if layout.key_scale_name else dummy
     vs = pages[layout.val_scale_name] if layout.val_scale_name else dummy
     vz = pages[layout.val_zero_name] if layout.val_zero_name else dummy
-    pairs = FAST["pairs"]
-    kpairs = _key_pairs(layout) if pairs else None
-    kcb = kpairs if kpairs is not None else layout.key_cb16
-    vcb = layout.val_pairs if pairs and layout.val_pairs is not None else layout.val_cb16
+    kcb, vcb, pairs = centroid_tables(layout, FAST["pairs"], model_f32)
+    if pairs:
+        kpairs = _key_pairs(layout)  # the extend kernel also pairs 5-bit keys
+        kcb = kpairs if kpairs is not None else kcb
     kcb = kcb if kcb is not None else dummy
     vcb = vcb if vcb is not None else dummy
     rot = _rotation_t(layout.val_rotation, torch.float32 if dot_f32 else torch.float16) if rotated and exact else dummy
