@@ -4,6 +4,8 @@ in one process on one card; real-size reference checks of decode / verify batche
 
 PYTHONPATH=src:tests python benchmarks/decode_ab.py [--presets P,...] [--json F]
 PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --heads 9,3,64 --cases 64x4096x1  (SmolLM2's decode)
+PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --graphs --lookups shfl,prmt \
+    --variants 'BLOCK_N=64,SMALL_NUM_WARPS=2:SMALL_BLOCK_N=64'   (decoders and knob sets, graph replays)
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The sliced decode kernel (attention/paged_decode.py) vs the torch reference backend.
 
 paged_attention dispatches decode steps over 2- / 4-bit codebook-key layouts to it; these tests
-check that the dispatch happens, that its output matches the reference (tiny shapes under the
-interpreter, real sizes on the GPU), and on the GPU that the PRMT slice decoder gives the same bits
-as the fp16 codebook gathers.
+check that the dispatch happens, that its output matches the reference for decode and verify
+batches (tiny shapes under the interpreter, real sizes on the GPU), and on the GPU that the inline-PTX
+slice decoders (shuffle and PRMT codebook lookups, magic-number min-max) give the same bits as the
+fp16 gathers.
 """
 
 from __future__ import annotations

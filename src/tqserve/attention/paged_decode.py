@@ -11,15 +11,18 @@ where `tl.dot` wants them:
     scores = sum_j  q[:, j::4] @ c[idx_j]          (4 dots with K = d / 4)
     acc_j += p @ v_j                               (4 accumulators [rows, d / 4])
 
-Lookups are fp16 gathers from the codebook (portable, and what the interpreter runs); on the GPU,
-4-bit codebook slices are decoded by one inline-PTX block per pair of words (PRMT byte lookups in a
-symmetric table held as immediates, no memory access), which Triton keeps in the operand layout
-(a pure unary elementwise op). Min-max values are built as fp16 `1024 + idx` from the index bits.
+Lookups are fp16 gathers from the codebook (portable, and what the interpreter and float32 models
+run, the latter from the float32 codebook); on the GPU each slice of a pair of words is decoded by one
+inline-PTX block that Triton keeps in the operand layout (a pure elementwise op): codebook codes by
+warp shuffles (`shfl_slices`, lane l holds centroid l mod 2^b), min-max codes by the fp16 magic
+number (`minmax_slices`: 0x6400 | idx is 1024 + idx). `LOOKUP = "prmt"` keeps the older PRMT
+byte-lookup decoder for 4-bit codebooks, for A/B timing.
 
-Everything else follows `paged.py`: rows are (query token, head of the GQA group) padded to 16,
-the exact sink + window rule reads the fresh k / v, the ring and the sink buffer (`_load_exact`);
-exact values accumulate in a second output part; split-K partials are combined by
-`_split_reduce_kernel`; rotated values are rotated back once.
+Everything else follows `paged.py`: rows are (query token, head of the GQA group) padded to 16 (or
+32 for verify steps), the exact sink + window rule reads the fresh k / v, the ring and the sink
+buffer (`_load_exact`) in a pass after the packed loop; exact values accumulate in a second output
+part; split-K partials are combined by `_split_reduce_kernel`; rotated values are rotated back once.
+Launch configurations (warps, key tile, split-K target) come from `launch_config`.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
     return head_dim // S >= 16 and head_dim >= MIN_HEAD_DIM
 
 
-# ---- 4-bit codebook slices by PRMT lookups (GPU only) -------------------------------------------
+# ---- inline-PTX slice decoders (GPU only) --------------------------------------------------------
 
 
 def prmt_tables(codebook16) -> tuple[int, int, int, int] | None:
@@ -206,7 +209,7 @@ def minmax_slices(bits: int) -> tuple[str, str, str, str]:
 
 
 @triton.jit
-def _prmt(w, ASM: tl.constexpr):
+def _asm_slice(w, ASM: tl.constexpr):
     return tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
 
 
@@ -249,7 +252,7 @@ def _words(
 def _cb_slice(w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr):
     """Codebook values of slice j (fp16 centroids) from the words."""
     if ASM != "":
-        c = _prmt(w, ASM)
+        c = _asm_slice(w, ASM)
     else:
         c = tl.load(cb_ptr + ((w >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.int32))
     return c.to(OUT_T)
@@ -271,7 +274,7 @@ def _v_slice(
     if VAL_MODE == 1:
         return _cb_slice(w, j, cb_ptr, BITS, ASM, OUT_T)
     elif ASM != "":
-        return _prmt(w, ASM).to(OUT_T)  # min-max magic-number decoder (same calling convention)
+        return _asm_slice(w, ASM).to(OUT_T)  # min-max magic-number decoder (same calling convention)
     else:
         return _mm_slice(w, j, BITS, OUT_T)
 
