@@ -28,6 +28,7 @@ faster there by measurement); this kernel serves the rest.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -617,7 +618,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
+    """SM count (cached: every launcher asks on every step)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
