@@ -309,6 +309,15 @@ def _acc_update(
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over masked scores s [rows, keys] (log2 domain): (p, alpha, m, l)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _store_slice(obase, acc, l_safe, row_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
     g = tl.arange(0, D // S)
     tl.store(obase + g[None, :] * S + j, (acc / l_safe[:, None]).to(obase.dtype.element_ty), mask=row_ok[:, None])
@@ -416,12 +425,7 @@ def _decode_kernel(
         valid = row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
         if HAS_EXACT:
             valid = valid & ~_exact_masks(n, qpos, q_min, SINK, WINDOW)[1]
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
         if VAL_MODE == 2:
             vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
             HI: tl.constexpr = ((1 << VAL_BITS) - 1) // 2
@@ -461,12 +465,7 @@ def _decode_kernel(
             )  # fmt: skip
             s = tl.dot(qx, tl.trans(kx.to(dot_t)), input_precision=PREC)
             valid = ex & row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
             vsum = vsum * alpha
             a0 = a0 * alpha[:, None]
             a1 = a1 * alpha[:, None]
