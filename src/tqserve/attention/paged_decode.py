@@ -47,8 +47,8 @@ from tqserve.attention.tuning import group_pad
 
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
 MIN_HEAD_DIM = 64  # smallest head size dispatched here
-# GPU decoders of 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
-# numbers), "prmt" (codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
+# GPU decoders of 2- / 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
+# numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
 # Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants):
 # - decode at d >= 128 (16-row programs): 4 warps over 128-key tiles, split-K for ~4 programs / SM;
