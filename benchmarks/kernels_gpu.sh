@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# One device call: GPU kernel tests at real sizes, then the kernel benchmark. Logs under $OUT.
+# One device call: GPU kernel tests at real sizes (a timeout per file: the whole set compiles for more
+# than 5 minutes), the decode A/B of the sliced kernel (CUDA-graph replays), then the kernel benchmark.
+# Logs under $OUT. KERNEL_TESTS / BENCH_ARGS / AB_ARGS override the parts.
 set -o pipefail
 source .device-carry/gpu-env.sh || exit 1
+export PYTHONPATH="$PWD/tests:$PWD/benchmarks:$PYTHONPATH"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu tests/kernels/test_paged_attention.py tests/kernels/test_store_triton.py 2>&1 | tail -25 | tee "$OUT/tests.log"
+for f in ${KERNEL_TESTS:-test_paged_decode test_float32_models test_paged_attention test_store_triton}; do
+  timeout 240 python3 -m pytest -q -m "gpu or not gpu" "tests/kernels/$f.py" -p no:cacheprovider 2>&1 \
+    | grep -vE "^[.s]+ *(\[ *[0-9]+%\])?$" | tail -12 | tee "$OUT/tests_$f.log"
+done
+timeout 240 python3 benchmarks/decode_ab.py --no-checks --graphs --lookups shfl ${AB_ARGS:-} --json "$OUT/decode_ab.json" \
+  2>&1 | grep -v Warn | tee "$OUT/decode_ab.log"
 python3 benchmarks/kernels.py ${BENCH_ARGS:-} --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
