@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size")
     ap.add_argument("--cases", default="32x32768x1,1x131072x1,32x32768x5", help="requests x context x query tokens")
     ap.add_argument("--lookups", default="shfl,prmt", help="slice decoders to time (paged_decode.LOOKUP)")
-    ap.add_argument("--variants", default="", help="paged_decode knob sets to time, e.g. 'PREFETCH=0,BLOCK_N=128'")
+    ap.add_argument("--variants", default="", help="paged_decode knob sets to time, e.g. 'BLOCK_N=64,SMALL_BLOCK_N=64'")
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (no host launch overhead)")
     ap.add_argument("--no-checks", action="store_true", help="skip the real-size reference checks")
     args = ap.parse_args()

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tqserve.attention.tuning import group_pad, pick_config, pick_splits
+from tqserve.attention.tuning import MAX_SPLITS, group_pad, pick_config, pick_splits
 
 DENSE, CODEBOOK, MINMAX = 0, 1, 2
 LAST_LAUNCH: dict = {}  # the last compiled attention kernel (benchmarks read registers / spills)
@@ -639,10 +639,6 @@ def _combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: in
         part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
         W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
     )  # fmt: skip
-
-
-# Largest split count any launcher picks (tuning.pick_splits, paged_decode.pick_splits).
-MAX_SPLITS = 128
 
 
 def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device: torch.device) -> None:

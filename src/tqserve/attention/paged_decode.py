@@ -43,7 +43,7 @@ from tqserve.attention.paged import (
     centroid_tables,
     finish_parts,
 )
-from tqserve.attention.tuning import group_pad
+from tqserve.attention.tuning import MAX_SPLITS, group_pad
 
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
 MIN_HEAD_DIM = 64  # smallest head size dispatched here
@@ -62,7 +62,6 @@ SMALL_BLOCK_N = 32
 SMALL_NUM_WARPS = 1
 SMALL_SPLIT_TARGET = 12
 NUM_STAGES = 1
-PREFETCH = False  # load tile i + 1 while tile i is decoded (slower where measured: more registers)
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
@@ -236,11 +235,9 @@ def _words(
         kk = k[None, :]
         m = nmask[:, None]
     if WB == 1:
-        w = tl.load(ptr + row * NB + kk, mask=m, other=0)
-        if RAW:  # 16-bit words, the byte in the low half (the asm decoders take two per register)
-            w = w.to(tl.int16) & 0xFF
-        else:
-            w = w.to(tl.int32) & 0xFF
+        w = tl.load(ptr + row * NB + kk, mask=m, other=0)  # uint8 pages: widening zero-extends
+        # RAW: 16-bit words, the byte in the low half (the asm decoders take two per register)
+        w = w.to(tl.int16) if RAW else w.to(tl.int32)
     else:
         w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + row * (NB // 2) + kk, mask=m, other=0)
         if not RAW:
@@ -335,7 +332,7 @@ def _decode_kernel(
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_X: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr, BLOCK_X: tl.constexpr,
 ):  # fmt: skip
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -388,32 +385,14 @@ def _decode_kernel(
     # ---- packed keys / values. (row, key) pairs the exact rule claims are masked out here and done
     # by the exact pass below, so the exact query, buffers and accumulator are not live (registers)
     # during this loop.
-    # Software pipelining by hand (PREFETCH): the next tile's block-table entries, words and norms
-    # are loaded before this tile is decoded, so their latency (two dependent global loads) overlaps
-    # the decode and the dots instead of stalling every iteration.
-    nk = lo + tl.arange(0, BLOCK_N)
-    tokp_n = _tile_rows(bt_row, nk, nk < hi, kvh, HKV, BS)
-    kw_n = _words(kp_ptr, tokp_n, nk < hi, KEY_BITS, SW, D, True, KRAW)
-    ksc_n = tl.load(ks_ptr + tokp_n, mask=nk < hi, other=0.0)
-    vw_n = _words(vp_ptr, tokp_n, nk < hi, VAL_BITS, SW, D, False, VRAW)
-    vsc_n = tl.load(vs_ptr + tokp_n, mask=nk < hi, other=0.0)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        if PREFETCH:
-            tokp, kw, ksc, vw, vsc = tokp_n, kw_n, ksc_n, vw_n, vsc_n
-            nk = n + BLOCK_N
-            tokp_n = _tile_rows(bt_row, nk, nk < hi, kvh, HKV, BS)
-            kw_n = _words(kp_ptr, tokp_n, nk < hi, KEY_BITS, SW, D, True, KRAW)
-            ksc_n = tl.load(ks_ptr + tokp_n, mask=nk < hi, other=0.0)
-            vw_n = _words(vp_ptr, tokp_n, nk < hi, VAL_BITS, SW, D, False, VRAW)
-            vsc_n = tl.load(vs_ptr + tokp_n, mask=nk < hi, other=0.0)
-        else:
-            tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
-            kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, True, KRAW)
-            ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0)
-            vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, False, VRAW)
-            vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0)
+        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, True, KRAW)
+        ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0)
+        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, False, VRAW)
+        vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0)
         ksc = ksc.to(tl.float32)
         vsc = vsc.to(tl.float32)
         # scores against the packed keys: one K = d / S dot per slice
@@ -527,7 +506,7 @@ def pick_splits(programs: int, max_seq_len: int, sms: int, block_n: int = 128, p
     if programs >= target:
         return 1
     tiles = triton.cdiv(max(1, max_seq_len), block_n)
-    return max(1, min(triton.cdiv(target, programs), max(1, tiles // 4), 128))
+    return max(1, min(triton.cdiv(target, programs), max(1, tiles // 4), MAX_SPLITS))
 
 
 def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sinks=None, out=None, num_splits=None):
@@ -595,7 +574,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
-        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", PREFETCH=PREFETCH, BLOCK_X=16,
+        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", BLOCK_X=16,
         num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)

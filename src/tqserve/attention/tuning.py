@@ -90,6 +90,11 @@ def _warps(rows: int, block_n: int) -> int:
     return 8 if rows >= 64 and block_n <= 32 else 4
 
 
+# Largest split count any launcher picks (here and paged_decode.pick_splits); the warm-up compiles
+# the split-K combine up to it (paged.warm_split_combine).
+MAX_SPLITS = 128
+
+
 def pick_splits(num_reqs: int, num_kv_heads: int, num_qblocks: int, max_seq_len: int, block_n: int, sms: int) -> int:
     """Split-K count (flash-decoding) so that few long requests still fill the card.
 
@@ -102,4 +107,4 @@ def pick_splits(num_reqs: int, num_kv_heads: int, num_qblocks: int, max_seq_len:
     tiles = triton.cdiv(max(1, max_seq_len), block_n)
     # at least 8 tiles per split, so the partial-result traffic stays small
     by_len = max(1, tiles // 8)
-    return max(1, min(triton.cdiv(target, programs), by_len, 128))
+    return max(1, min(triton.cdiv(target, programs), by_len, MAX_SPLITS))
