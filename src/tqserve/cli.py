@@ -31,6 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=False,
         help="CUDA: compile every kernel shape class at startup (throw-away steps)",
     )
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, no CUDA graphs")
+    p.add_argument(
+        "--cuda-graph-sizes", type=int, nargs="+", default=None, help="decode batch sizes captured as CUDA graphs"
+    )
     p.add_argument(
         "--num-window-snapshots",
         type=int,

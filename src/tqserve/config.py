@@ -38,6 +38,11 @@ class EngineArgs:
     # CUDA: compile every attention / GDN kernel shape class at startup (throw-away steps) instead
     # of inside the first requests' steps. Off by default until it has run on the GPU.
     kernel_warmup: bool = False
+    # CUDA decode steps replay captured CUDA graphs (engine/cuda_graphs.py): one graph per batch size
+    # in cuda_graph_sizes (default: 1, 2, 4, 8, then steps of 8 / 16 / 32 up to min(max_num_seqs,
+    # 512)); a step is padded to the next captured size. enforce_eager turns them off (vLLM's flag).
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -59,6 +64,10 @@ class EngineArgs:
             )
         if self.num_window_snapshots is not None and self.num_window_snapshots < 0:
             raise ValueError(f"num_window_snapshots must be >= 0, got {self.num_window_snapshots}")
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or any(int(b) < 1 for b in self.cuda_graph_sizes)
+        ):
+            raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
         if self.attention_backend not in ("auto", "torch", "reference", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch, reference or triton, got {self.attention_backend!r}"

@@ -116,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
     p.add_argument("--prompt-len", type=int, default=0, help="synthetic prompts of this many tokens; time decode only")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--enforce-eager",
+        nargs="+",
+        type=lambda s: {"true": True, "false": False}[s.lower()],
+        default=[False],
+        help="CUDA: decode without CUDA graphs (true), with (false), or both side by side (false true)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument(
         "--repeats", type=int, default=1, help="alternate the two sides this many times; report each side's median"
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     rows = []
     for b in args.batch:
-        for kv in args.kv_cache_dtype:
+        for kv, eager in [(kv, e) for kv in args.kv_cache_dtype for e in args.enforce_eager]:
             refs, ours_all = [], []
             for _ in range(max(1, args.repeats)):
                 # Alternating the sides spreads any drift of the machine (other load, clocks) over both.
@@ -137,15 +144,29 @@ def main(argv: list[str] | None = None) -> int:
                     refs.append(bench_transformers(hf, loaded[2], b, args.new_tokens, device))
                 ours_all.append(
                     bench_tqserve(
-                        loaded, b, args.new_tokens, str(device), dtype_name, args.prompt_len, kv_cache_dtype=kv
+                        loaded,
+                        b,
+                        args.new_tokens,
+                        str(device),
+                        dtype_name,
+                        args.prompt_len,
+                        kv_cache_dtype=kv,
+                        enforce_eager=eager,
                     )
                 )
             ours = statistics.median(ours_all)
             ref = statistics.median(refs) if refs else None
-            row = {"batch": b, "prompt_len": args.prompt_len, "kv_cache_dtype": kv, "tqserve_tok_s": ours}
+            row = {
+                "batch": b,
+                "prompt_len": args.prompt_len,
+                "kv_cache_dtype": kv,
+                "enforce_eager": eager,
+                "tqserve_tok_s": ours,
+            }
             if len(ours_all) > 1:
                 row.update(tqserve_runs=ours_all, transformers_runs=refs)
-            line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} tqserve {ours:9.1f} tok/s"
+            mode = "eager" if eager else "graphs"
+            line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} {mode:6s} tqserve {ours:9.1f} tok/s"
             if ref is not None:
                 row.update(transformers_tok_s=ref, ratio=ours / ref)
                 line += f"  transformers {ref:9.1f} tok/s  ratio {ours / ref:5.2f}x"

@@ -73,7 +73,11 @@ class InputBatchBuilder:
             self.snap_pos = _Buffer((2 * max_num_reqs, window), torch.int64, device)
             self.snap_info = _Buffer((4, 2 * max_num_reqs), torch.int64, device)
 
-    def build(self, sched: SchedulerOutput) -> StepInputs:
+    def build(self, sched: SchedulerOutput, pad_to: int = 0, max_seq_len: int = 0) -> StepInputs:
+        """`pad_to` > number of requests (CUDA-graph decode steps) appends one-token padding requests
+        that write nothing (slot -1) and read only the null page, sequence slot and sink slot; the
+        metadata then describes the padded batch, with `max_seq_len` the graph's fixed bound so that
+        every launch shape is the captured one."""
         bs = self.block_size
         t = 0
         qsl = [0]
@@ -105,7 +109,19 @@ class InputBatchBuilder:
             snaps.extend((b, s.start_pos, t, s.seq_slot, slot) for b, slot in s.ring_snapshots)
             t += n
             qsl.append(t)
-        r = len(sched.requests)
+        for i in range(len(sched.requests), pad_to):
+            ids_np[t] = 0
+            pos_np[t] = 0
+            slot_np[t] = -1
+            slot_map.append(-1)
+            bt_np[i] = 0
+            tables.append([0])
+            seq_lens.append(1)
+            seq_slots.append(0)
+            sink_slots.append(0)
+            t += 1
+            qsl.append(t)
+        r = len(qsl) - 1
         self.query_start_loc.np[: r + 1] = qsl
         self.seq_lens.np[:r] = seq_lens
         self.seq_slots.np[:r] = seq_slots
@@ -115,7 +131,7 @@ class InputBatchBuilder:
             num_reqs=r,
             num_tokens=t,
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(r)),
-            max_seq_len=max(seq_lens),
+            max_seq_len=max(max(seq_lens), max_seq_len),
             query_start_loc=self.query_start_loc.upload(r + 1),
             seq_lens=self.seq_lens.upload(r),
             block_tables=self.block_tables.upload(r),

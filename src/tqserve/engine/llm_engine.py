@@ -220,6 +220,7 @@ class LLMEngine:
             "num_total_blocks": self.kv.pool.num_blocks - 1,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
+            "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
         }
 
     def capacity_report(self) -> CapacityReport:

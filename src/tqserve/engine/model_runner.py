@@ -96,6 +96,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         if device.type == "cuda" and config.kernel_warmup:
             self._warmup_kernels()
+        self.graphs = self._capture_graphs()
 
     # ---- setup -------------------------------------------------------------------------------
     def _make_backend(self):
@@ -199,6 +200,34 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _capture_graphs(self):
+        """Decode CUDA graphs (engine/cuda_graphs.py) where they apply: CUDA, the Triton backend
+        (the torch backends loop over host lists), no recurrent state (the GDN layers' host-side
+        bookkeeping is not captured yet), and not `enforce_eager`."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager:
+            return None
+        from tqserve.attention.triton_backend import TritonAttentionBackend
+
+        if not isinstance(self.backend, TritonAttentionBackend):
+            return None
+        if self.state_specs:
+            logger.info("hybrid model: decode steps run eagerly (CUDA graphs not captured)")
+            return None
+        from tqserve.engine.cuda_graphs import DecodeGraphs, default_sizes
+
+        sizes = cfg.cuda_graph_sizes or default_sizes(cfg.max_num_seqs)
+        sizes = [b for b in sizes if b <= min(cfg.max_num_seqs, self.max_num_tokens)]
+        if not sizes:
+            return None
+        graphs = DecodeGraphs(sizes, self.max_model_len)
+
+        def forward(inputs):
+            return self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
+
+        graphs.capture(forward, self.builder, self.device)
+        return graphs
+
     def _ctx(self, backend, meta) -> ForwardContext:
         ctx = ForwardContext(backend, meta)
         ctx.state_pool = self.state_pool
@@ -207,7 +236,8 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
-        inputs = self.builder.build(sched)
+        size = self.graphs.size_for(sched) if self.graphs is not None else 0
+        inputs = self.graphs.build(self.builder, sched, size) if size else self.builder.build(sched)
         bs = self.config.block_size
         for slot, table, start in sched.ring_fills:
             pos = range(max(0, start - self.window), start)
@@ -218,7 +248,10 @@ class ModelRunner:
         if self.state_pool is not None and sched.state_restores:
             src, dst = zip(*sched.state_restores)
             self.state_pool.copy_slots(self._ids(src), self._ids(dst))
-        hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
+        if size:
+            hidden = self.graphs.run(size, inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
         if self.state_pool is not None and sched.state_saves:
             src, dst = zip(*sched.state_saves)
             self.state_pool.copy_slots(self._ids(src), self._ids(dst))

@@ -83,6 +83,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="CUDA: compile every kernel shape class at startup (throw-away steps); off by default",
     )
     eng.add_argument(
+        "--enforce-eager", action="store_true", default=None, help="CUDA: run decode steps eagerly, no CUDA graphs"
+    )
+    eng.add_argument(
+        "--cuda-graph-sizes", type=int, nargs="+", default=None, help="decode batch sizes captured as CUDA graphs"
+    )
+    eng.add_argument(
         "--num-window-snapshots",
         type=int,
         default=None,
@@ -125,6 +131,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "device": args.device,
         "kernel_warmup": args.kernel_warmup,
+        "enforce_eager": args.enforce_eager,
+        "cuda_graph_sizes": args.cuda_graph_sizes,
         "num_window_snapshots": args.num_window_snapshots,
         "chat_template": resolve_chat_template(args.chat_template),
         "served_model_name": args.served_model_name[0] if args.served_model_name else None,
