@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--kv", nargs="+", default=["auto"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--cprofile", action="store_true", help="also print a cProfile of the steps (host time)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (per-kernel GPU times in the table)")
     p.add_argument("--hybrid-layers", type=int, default=0, help="random Qwen3.5-4B-shaped model of this many layers")
     args = p.parse_args()
     if args.hybrid_layers:
@@ -50,6 +51,7 @@ def main() -> None:
             max_model_len=args.prompt_len + 64,
             max_num_seqs=args.batch,
             gpu_memory_utilization=0.5,
+            enforce_eager=args.enforce_eager,
         )
         eng = llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
@@ -64,6 +66,18 @@ def main() -> None:
             eng.step()
             torch.cuda.synchronize()
             print(f"kv={kv} step {(time.perf_counter() - t) * 1e3:.1f} ms", flush=True)
+        graphs = eng.runner.graphs
+        if graphs is not None and args.batch in graphs.graphs:
+            # GPU time of the forward alone: the captured graph replayed back to back (the step's
+            # remainder is host work: scheduling, input building, sampling, output processing).
+            g = graphs.graphs[args.batch]
+            g.replay()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                g.replay()
+            torch.cuda.synchronize()
+            print(f"kv={kv} graph replay (forward only) {(time.perf_counter() - t) / 20 * 1e3:.2f} ms", flush=True)
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.profiler.profile(
