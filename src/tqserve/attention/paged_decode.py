@@ -62,6 +62,15 @@ SMALL_BLOCK_N = 32
 SMALL_NUM_WARPS = 1
 SMALL_SPLIT_TARGET = 12
 NUM_STAGES = 1
+# The exact sink / window pass of programs with at least EXACT_PHASED_ROWS rows runs in two phases
+# (softmax statistics before the packed loop, exact values after it in EXACT_CHUNKS column chunks):
+# a one-warp 32-row program cannot hold the packed accumulators, the exact query and a [rows, d]
+# exact accumulator together (tq3 verify spilled). 64 (> MAX_ROWS) turns it off.
+EXACT_PHASED_ROWS = 32
+EXACT_CHUNKS = 2
+# Packed-loop mask of layouts with exact copies as one causal compare against qpos - WINDOW (and a
+# per-key n >= SINK) instead of the causal mask and the exact rule's complement (0: the old masks).
+FOLD_EXACT_MASK = 1
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
@@ -320,6 +329,58 @@ def _store_slice(obase, acc, l_safe, row_ok, j: tl.constexpr, S: tl.constexpr, D
     tl.store(obase + g[None, :] * S + j, (acc / l_safe[:, None]).to(obase.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _x_range(lo, hi, q_min, SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Exact keys of the split [lo, hi): sinks [lo, sink_hi) and the window [win_lo, hi), in tiles of
+    BLOCK_X keys: (n_sink, sink_hi, win_lo, tiles)."""
+    sink_hi = tl.minimum(hi, SINK)
+    win_lo = hi
+    if WINDOW > 0:
+        win_lo = tl.maximum(tl.maximum(lo, SINK), q_min - WINDOW + 1)
+    n_sink = tl.maximum(sink_hi - lo, 0)
+    tiles = tl.cdiv(n_sink, BLOCK_X) + tl.cdiv(tl.maximum(hi - win_lo, 0), BLOCK_X)
+    return n_sink, sink_hi, win_lo, tiles
+
+
+@triton.jit
+def _x_reload(qsl_ptr, seqlen_ptr, req, qb0, pid_s, split_n, BLOCK_Q: tl.constexpr):
+    """(q_start, ctx, lo, hi, q_min) of the program from fresh loads: the phased exact pass recomputes
+    them after the packed loop rather than have the compiler keep them live through it."""
+    q_start = tl.load(qsl_ptr + req)
+    seq_len = tl.load(seqlen_ptr + req)
+    ctx = seq_len - (tl.load(qsl_ptr + req + 1) - q_start)
+    lo = pid_s * split_n
+    hi = tl.minimum(tl.minimum(seq_len, ctx + qb0 + BLOCK_Q), lo + split_n)
+    return q_start, ctx, lo, hi, ctx + qb0
+
+
+@triton.jit
+def _x_tile(t, lo, hi, n_sink, sink_hi, win_lo, BLOCK_X: tl.constexpr):
+    """Key positions and mask of exact tile t (sink tiles first, then window tiles)."""
+    sink_tile = t * BLOCK_X < n_sink
+    start = tl.where(sink_tile, lo + t * BLOCK_X, win_lo + t * BLOCK_X - tl.cdiv(n_sink, BLOCK_X) * BLOCK_X)
+    stop = tl.where(sink_tile, sink_hi, hi)
+    n = start + tl.arange(0, BLOCK_X)
+    return n, n < stop
+
+
+@triton.jit
+def _x_scores(
+    qx, k_ptr, rk_ptr, sk_ptr, n, nmask, qpos, q_min, row_ok, d, ctx, q_start, stride_knt,
+    seq_slot, sink_slot, kvh, HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """Masked scores [rows, BLOCK_X] of the exact pairs of a tile (-inf elsewhere) and the key mask."""
+    need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
+    kx = _load_exact(
+        k_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
+        seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+    )  # fmt: skip
+    s = tl.dot(qx, tl.trans(kx.to(qx.dtype)), input_precision=PREC)
+    valid = ex & row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
+    return tl.where(valid, s, float("-inf")), need
+
+
 @triton.jit(do_not_specialize=["stride_ls"])  # = tokens x heads: one binary for every step size
 def _decode_kernel(
     q_ptr, qx_ptr, kn_ptr, vn_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr,
@@ -332,7 +393,8 @@ def _decode_kernel(
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr, PREC: tl.constexpr, BLOCK_X: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr, BLOCK_X: tl.constexpr, X_PHASED: tl.constexpr,
+    XH: tl.constexpr, FOLD_MASK: tl.constexpr,
 ):  # fmt: skip
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -382,6 +444,25 @@ def _decode_kernel(
     a3 = tl.zeros([BM, KV], dtype=tl.float32)
     vsum = tl.zeros([BM], dtype=tl.float32)  # min-max: sum of p * (zero + h * scale)
     bt_row = bt_ptr + req * stride_bt
+    if NPART == 2 and X_PHASED:
+        # ---- exact pass, phase 1 (programs of many rows, `EXACT_PHASED_ROWS`): the softmax statistics of
+        # the exact pairs first, so that after the packed loop (m_i, l_i) are final, the packed
+        # accumulators are stored before phase 2 and never live beside the exact query / accumulator.
+        d = tl.arange(0, D)
+        qx = tl.load(qx_ptr + tok[:, None] * stride_qxt + hq[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        qx = (qx.to(tl.float32) * qk_scale).to(dot_t)
+        seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
+        sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
+        n_sink, sink_hi, win_lo, x_tiles = _x_range(lo, hi, q_min, SINK, WINDOW, BLOCK_X)
+        for t in range(0, x_tiles):
+            n, nmask = _x_tile(t, lo, hi, n_sink, sink_hi, win_lo, BLOCK_X)
+            s, need = _x_scores(
+                qx, kn_ptr, rk_ptr, sk_ptr, n, nmask, qpos, q_min, row_ok, d, ctx, q_start, stride_knt,
+                seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW, PREC,
+            )  # fmt: skip
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m_i = m_new
     # ---- packed keys / values. (row, key) pairs the exact rule claims are masked out here and done
     # by the exact pass below, so the exact query, buffers and accumulator are not live (registers)
     # during this loop.
@@ -401,9 +482,15 @@ def _decode_kernel(
         s = tl.dot(q2, _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), s, input_precision=PREC)
         s = tl.dot(q3, _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t), s, input_precision=PREC)
         s = s * ksc[None, :]
-        valid = row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
-        if HAS_EXACT:
-            valid = valid & ~_exact_masks(n, qpos, q_min, SINK, WINDOW)[1]
+        if HAS_EXACT and FOLD_MASK:
+            # the exact rule's complement folded into the causal bound: a pair is packed iff
+            # n >= SINK and qpos - n >= WINDOW, so one compare per pair as without exact copies
+            keep = nmask & (n >= SINK)
+            valid = row_ok[:, None] & keep[None, :] & (n[None, :] <= (qpos - WINDOW)[:, None])
+        else:
+            valid = row_ok[:, None] & nmask[None, :] & (n[None, :] <= qpos[:, None])
+            if HAS_EXACT:
+                valid = valid & ~_exact_masks(n, qpos, q_min, SINK, WINDOW)[1]
         p, alpha, m_i, l_i = _softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
         if VAL_MODE == 2:
             vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
@@ -415,7 +502,7 @@ def _decode_kernel(
         a2 = _acc_update(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
         a3 = _acc_update(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
 
-    if NPART == 2:
+    if NPART == 2 and not X_PHASED:
         # ---- the exact pass: sinks [0, S) and the window of the block's first query, in tiles of
         # BLOCK_X keys; the same online softmax (m_i, l_i) continues, the packed accumulators are
         # rescaled with it, and exact values accumulate unrotated in a second output part.
@@ -424,19 +511,10 @@ def _decode_kernel(
         qx = (qx.to(tl.float32) * qk_scale).to(dot_t)
         seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
         sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
+        n_sink, sink_hi, win_lo, x_tiles = _x_range(lo, hi, q_min, SINK, WINDOW, BLOCK_X)
         accx = tl.zeros([BM, D], dtype=tl.float32)
-        sink_hi = tl.minimum(hi, SINK)
-        win_lo = hi
-        if WINDOW > 0:
-            win_lo = tl.maximum(tl.maximum(lo, SINK), q_min - WINDOW + 1)
-        n_sink = tl.maximum(sink_hi - lo, 0)
-        x_tiles = tl.cdiv(n_sink, BLOCK_X) + tl.cdiv(tl.maximum(hi - win_lo, 0), BLOCK_X)
         for t in range(0, x_tiles):
-            sink_tile = t * BLOCK_X < n_sink
-            start = tl.where(sink_tile, lo + t * BLOCK_X, win_lo + t * BLOCK_X - tl.cdiv(n_sink, BLOCK_X) * BLOCK_X)
-            stop = tl.where(sink_tile, sink_hi, hi)
-            n = start + tl.arange(0, BLOCK_X)
-            nmask = n < stop
+            n, nmask = _x_tile(t, lo, hi, n_sink, sink_hi, win_lo, BLOCK_X)
             need, ex = _exact_masks(n, qpos, q_min, SINK, WINDOW)
             kx = _load_exact(
                 kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
@@ -458,15 +536,55 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     vs = vsum[:, None]
-    obase = out_ptr + pid_s * stride_os + tok[:, None] * stride_ot + hq[:, None] * (NPART * D)
+    tok_o = tok
+    if X_PHASED:  # the program's scalars and row addresses again, from fresh loads (see _x_reload)
+        q_start, ctx, lo, hi, q_min = _x_reload(qsl_ptr, seqlen_ptr, req, qb0, pid_s, split_n, BLOCK_Q)
+        tok_o = (q_start + qb0 + qi).to(tl.int64)
+    obase = out_ptr + pid_s * stride_os + tok_o[:, None] * stride_ot + hq[:, None] * (NPART * D)
     _store_slice(obase, a0 + vs, l_safe, row_ok, 0, SW, D)
     _store_slice(obase, a1 + vs, l_safe, row_ok, 1, SW, D)
     _store_slice(obase, a2 + vs, l_safe, row_ok, 2, SW, D)
     _store_slice(obase, a3 + vs, l_safe, row_ok, 3, SW, D)
-    if NPART == 2:
+    if SPLIT and X_PHASED:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + pid_s * stride_ls + tok_o * stride_lt + hq, lse, mask=row_ok)
+    if NPART == 2 and not X_PHASED:
         d2 = tl.arange(0, D)
         tl.store(obase + D + d2[None, :], (accx / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if SPLIT:
+    if NPART == 2 and X_PHASED:
+        # ---- exact pass, phase 2: (m_i, l_i) are final, so p = exp2(s - m) needs no rescaling; the
+        # scores are recomputed (bit for bit as in phase 1) for each of XH column chunks of the exact
+        # values, each accumulated [rows, D / XH] and stored as it completes.
+        XD: tl.constexpr = D // XH
+        # the exact query again (from tok_o: phase 1's [rows, d] pointer tensor is not kept live
+        # through the packed loop either), the slots reloaded
+        qx = tl.load(
+            qx_ptr + tok_o[:, None] * stride_qxt + hq[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0
+        )
+        qx = (qx.to(tl.float32) * qk_scale).to(dot_t)
+        seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
+        sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
+        qpos = ctx + qb0 + qi
+        n_sink, sink_hi, win_lo, x_tiles = _x_range(lo, hi, q_min, SINK, WINDOW, BLOCK_X)
+        for h in tl.static_range(XH):
+            dh = h * XD + tl.arange(0, XD)
+            accx = tl.zeros([BM, XD], dtype=tl.float32)
+            for t in range(0, x_tiles):
+                n, nmask = _x_tile(t, lo, hi, n_sink, sink_hi, win_lo, BLOCK_X)
+                s, need = _x_scores(
+                    qx, kn_ptr, rk_ptr, sk_ptr, n, nmask, qpos, q_min, row_ok, d, ctx, q_start, stride_knt,
+                    seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW, PREC,
+                )  # fmt: skip
+                p = tl.exp2(s - m_i[:, None])
+                vx = _load_exact(
+                    vn_ptr, rv_ptr, sv_ptr, n, nmask & need, dh, dh < D, ctx, q_start, stride_vnt,
+                    seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+                )  # fmt: skip
+                accx = tl.dot(p.to(dot_t), vx.to(dot_t), accx, input_precision=PREC)
+            tl.store(
+                obase + D + dh[None, :], (accx / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None]
+            )
+    if SPLIT and not X_PHASED:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + pid_s * stride_ls + tok * stride_lt + hq, lse, mask=row_ok)
 
@@ -562,6 +680,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits)
     stride_os = part.stride(0) if not direct else 0
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
+    phased = exact and bq * gp >= EXACT_PHASED_ROWS
     _decode_kernel[grid](
         q, qx, k_new, v_new, kp, ks, vp, vs, vz, kcb, vcb, rk, rv, sk, sv,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.seq_slots, meta.sink_slots,
@@ -575,6 +694,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", BLOCK_X=16,
+        X_PHASED=phased, XH=EXACT_CHUNKS if phased else 1, FOLD_MASK=bool(FOLD_EXACT_MASK),
         num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
