@@ -28,6 +28,11 @@ def bench_tqserve(
     from tqserve import LLM, SamplingParams
 
     max_len = max(1024, prompt_len + new_tokens + 16)
+    if prompt_len:
+        # The whole batch prefills in one step, so every request starts decoding in the same step
+        # and the timed steps decode `batch` requests each (with chunked prefill, the first requests
+        # would decode, and finish, while the last ones still prefill).
+        engine_kwargs.setdefault("max_num_batched_tokens", batch * prompt_len)
     llm = LLM(
         loaded=loaded, device=device, dtype=dtype, max_model_len=max_len, max_num_seqs=max(batch, 1), **engine_kwargs
     )
@@ -62,6 +67,9 @@ def _decode_only(llm, prompts, params, dev, rounds: int = 2) -> float:
             eng.add_request(f"b{r}-{i}", p["prompt_token_ids"], params)
         while any(q.num_output_tokens == 0 for q in eng.scheduler.requests.values()):
             eng.step()
+        started = {q.num_output_tokens for q in eng.scheduler.requests.values()}
+        if len(started) != 1 or len(eng.scheduler.running) != len(prompts):
+            raise RuntimeError(f"the batch did not start decoding together (output tokens so far: {sorted(started)})")
         _sync(dev)
         t = time.perf_counter()
         tokens = 0
