@@ -103,14 +103,18 @@ def test_verify_matches_reference(preset, hq, hkv, d, spy):
     assert len(spy) == 2
 
 
-@pytest.mark.parametrize(("phased_rows", "chunks", "fold"), [(16, 2, 1), (32, 4, 1), (64, 2, 0), (64, 2, 1)])
-def test_exact_pass_variants(phased_rows, chunks, fold, spy, monkeypatch):
+@pytest.mark.parametrize(
+    ("phased_rows", "chunks", "fold", "byte_rows"), [(16, 2, 1, 16), (32, 4, 1, 64), (64, 2, 0, 64), (64, 2, 1, 32)]
+)
+def test_exact_pass_variants(phased_rows, chunks, fold, byte_rows, spy, monkeypatch):
     """The exact sink / window pass both ways (phased: statistics before the packed loop, values
     after it in column chunks; or one pass after the loop), with the folded and the old packed-loop
-    masks, on decode (16-row programs) and verify (32-row) batches, one split and several."""
+    masks, 2-bit value words loaded transposed or not, on decode (16-row programs) and verify (32-row)
+    batches, one split and several."""
     monkeypatch.setattr(paged_decode, "EXACT_PHASED_ROWS", phased_rows)
     monkeypatch.setattr(paged_decode, "EXACT_CHUNKS", chunks)
     monkeypatch.setattr(paged_decode, "FOLD_EXACT_MASK", fold)
+    monkeypatch.setattr(paged_decode, "BYTE_VALUES_ROWS", byte_rows)
     for splits in (None, 3):
         _check_one_step("tq3", 8, 2, 128, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
         _check_one_step("tq3s", 8, 2, 64, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)

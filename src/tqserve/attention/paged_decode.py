@@ -16,7 +16,8 @@ run, the latter from the float32 codebook); on the GPU each slice of a pair of w
 inline-PTX block that Triton keeps in the operand layout (a pure elementwise op): codebook codes by
 warp shuffles (`shfl_slices`, lane l holds centroid l mod 2^b), min-max codes by the fp16 magic
 number (`minmax_slices`: 0x6400 | idx is 1024 + idx). `LOOKUP = "prmt"` keeps the older PRMT
-byte-lookup decoder for 4-bit codebooks, for A/B timing.
+byte-lookup decoder for 4-bit codebooks, for A/B timing. 2-bit codebook values of verify programs
+(`BYTE_VALUES_ROWS`) are loaded transposed and decoded four byte words per register (`shfl_slices_b8`).
 
 Everything else follows `paged.py`: rows are (query token, head of the GQA group) padded to 16 (or
 32 for verify steps), the exact sink + window rule reads the fresh k / v, the ring and the sink
@@ -71,6 +72,12 @@ EXACT_CHUNKS = 2
 # Packed-loop mask of layouts with exact copies as one causal compare against qpos - WINDOW (and a
 # per-key n >= SINK) instead of the causal mask and the exact rule's complement (0: the old masks).
 FOLD_EXACT_MASK = 1
+# 2-bit codebook values in programs of at least BYTE_VALUES_ROWS rows at d >= BYTE_VALUES_MIN_D: the
+# int8 words are loaded [words, keys] and transposed in registers (keys contiguous in shared memory:
+# 4-byte instead of 1-byte shared loads) and, on the GPU, decoded four bytes per register by
+# `shfl_slices_b8` (no byte -> 16-bit unpacking). 64 (> MAX_ROWS) turns it off.
+BYTE_VALUES_ROWS = 32
+BYTE_VALUES_MIN_D = 128
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
@@ -197,6 +204,30 @@ def shfl_slices(codebook16, bits: int) -> tuple[str, str, str, str]:
     return tuple(out)
 
 
+def shfl_slices_b8(codebook16) -> tuple[str, str, str, str]:
+    """PTX of slice j = 0..3 for 2-bit codebook codes in 8-bit words, four words per register (pack=4,
+    `_asm_slice4`): $2 holds four words (bytes), $0 / $1 get fp16x2 (c[idx_j of words 0, 1]),
+    (c[idx_j of words 2, 3]). Same shuffle table as `shfl_slices` (lane l holds c[l mod 4]); the words
+    stay bytes, so no byte -> 16-bit unpacking before the decoder."""
+    import torch
+
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 4
+    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
+    lo = _byte_words([v & 0xFF for v in raw])[0]
+    hi = _byte_words([v >> 8 for v in raw])[0]
+    common = ".reg .b32 l, m, lo, hi, tb, x0, x1, x2, x3, r0, r1, r2, r3, L0, H0;\n"
+    common += f"mov.b32 L0, {lo:#x};\nmov.b32 H0, {hi:#x};\nmov.u32 l, %laneid;\n"
+    common += "and.b32 m, l, 3;\nprmt.b32 lo, L0, L0, m;\nprmt.b32 hi, H0, H0, m;\nprmt.b32 tb, lo, hi, 0x0040;\n"
+    out = []
+    for j in range(4):
+        body = common + (f"shr.u32 x0, $2, {2 * j};\n" if j else "mov.b32 x0, $2;\n")
+        body += "".join(f"shr.u32 x{b}, $2, {8 * b + 2 * j};\n" for b in (1, 2, 3))
+        body += "".join(f"shfl.sync.idx.b32 r{b}, tb, x{b}, 0x1f, 0xffffffff;\n" for b in range(4))
+        body += "prmt.b32 $0, r0, r1, 0x5410;\nprmt.b32 $1, r2, r3, 0x5410;\n"
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
 def minmax_slices(bits: int) -> tuple[str, str, str, str]:
     """PTX of slice j = 0..3 for 2- / 4-bit min-max codes in 16-bit words: two words in one register
     -> fp16x2 (idx_j - h of word 0, of word 1), h = (2^b - 1) // 2. The codes go into the mantissas
@@ -219,6 +250,12 @@ def minmax_slices(bits: int) -> tuple[str, str, str, str]:
 @triton.jit
 def _asm_slice(w, ASM: tl.constexpr):
     return tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _asm_slice4(w, ASM: tl.constexpr):
+    """Four byte words per register in, two fp16x2 registers out (`shfl_slices_b8`)."""
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4)
 
 
 # ---- words and slices ------------------------------------------------------------------------
@@ -245,8 +282,10 @@ def _words(
         m = nmask[:, None]
     if WB == 1:
         w = tl.load(ptr + row * NB + kk, mask=m, other=0)  # uint8 pages: widening zero-extends
-        # RAW: 16-bit words, the byte in the low half (the asm decoders take two per register)
-        w = w.to(tl.int16) if RAW else w.to(tl.int32)
+        # RAW: 16-bit words, the byte in the low half (the asm decoders take two per register);
+        # RAW == 2: the bytes themselves (`shfl_slices_b8` takes four per register)
+        if RAW != 2:
+            w = w.to(tl.int16) if RAW else w.to(tl.int32)
     else:
         w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + row * (NB // 2) + kk, mask=m, other=0)
         if not RAW:
@@ -394,12 +433,12 @@ def _decode_kernel(
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr, PREC: tl.constexpr, BLOCK_X: tl.constexpr, X_PHASED: tl.constexpr,
-    XH: tl.constexpr, FOLD_MASK: tl.constexpr,
+    XH: tl.constexpr, FOLD_MASK: tl.constexpr, VAL_TRANS: tl.constexpr, VB8: tl.constexpr,
 ):  # fmt: skip
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     KRAW: tl.constexpr = KASM0 != ""
-    VRAW: tl.constexpr = VASM0 != ""
+    VRAW: tl.constexpr = 2 if VB8 else (VASM0 != "")
     pid_rh = tl.program_id(1)
     pid_s = tl.program_id(2)
     req = pid_rh // HKV
@@ -472,7 +511,10 @@ def _decode_kernel(
         tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
         kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, True, KRAW)
         ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0)
-        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, False, VRAW)
+        if VAL_TRANS:  # [words, keys] loaded, then viewed [keys, words]: keys contiguous in shared memory
+            vw = tl.trans(_words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, True, VRAW))
+        else:
+            vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, False, VRAW)
         vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0)
         ksc = ksc.to(tl.float32)
         vsc = vsc.to(tl.float32)
@@ -497,10 +539,16 @@ def _decode_kernel(
             HI: tl.constexpr = ((1 << VAL_BITS) - 1) // 2
             vsum = vsum * alpha + tl.sum(p * (vze + HI * vsc)[None, :], 1)
         pv = (p * vsc[None, :]).to(pk_t)
-        a0 = _acc_update(a0, alpha, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
-        a1 = _acc_update(a1, alpha, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
-        a2 = _acc_update(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
-        a3 = _acc_update(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
+        if VB8:
+            a0 = tl.dot(pv, _asm_slice4(vw, VASM0), a0 * alpha[:, None], input_precision=PREC)
+            a1 = tl.dot(pv, _asm_slice4(vw, VASM1), a1 * alpha[:, None], input_precision=PREC)
+            a2 = tl.dot(pv, _asm_slice4(vw, VASM2), a2 * alpha[:, None], input_precision=PREC)
+            a3 = tl.dot(pv, _asm_slice4(vw, VASM3), a3 * alpha[:, None], input_precision=PREC)
+        else:
+            a0 = _acc_update(a0, alpha, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
+            a1 = _acc_update(a1, alpha, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
+            a2 = _acc_update(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
+            a3 = _acc_update(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
 
     if NPART == 2 and not X_PHASED:
         # ---- the exact pass: sinks [0, S) and the window of the block's first query, in tiles of
@@ -611,6 +659,16 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
     return cache[side, LOOKUP]
 
 
+def _asm_b8(layout) -> tuple[str, str, str, str]:
+    """`shfl_slices_b8` of the layout's 2-bit value codebook (cached like `_asm_for`)."""
+    cache = layout.__dict__.setdefault("_asm_cache", {})
+    if "vb8" not in cache:
+        from tqserve.kvquant.reference import tq_codebook
+
+        cache["vb8"] = shfl_slices_b8(tq_codebook(2, layout.head_dim)[0].half())
+    return cache["vb8"]
+
+
 def launch_config(rows: int, head_dim: int) -> tuple[int, int, int]:
     """(warps, key tile, programs per SM for split-K) for programs of `rows` rows."""
     if rows <= 16 and head_dim >= 128:
@@ -678,6 +736,12 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     # float32 models gather float32 centroids (the asm decoders make fp16 operands)
     kasm = ("", "", "", "") if model_f32 else _asm_for(layout, "k", layout.key_bits)
     vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits)
+    byte_vals = (
+        layout.val_mode == CODEBOOK and layout.val_bits == 2 and bq * gp >= BYTE_VALUES_ROWS and d >= BYTE_VALUES_MIN_D
+    )
+    vb8 = byte_vals and bool(vasm[0]) and LOOKUP == "shfl"
+    if vb8:
+        vasm = _asm_b8(layout)
     stride_os = part.stride(0) if not direct else 0
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
     phased = exact and bq * gp >= EXACT_PHASED_ROWS
@@ -695,6 +759,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", BLOCK_X=16,
         X_PHASED=phased, XH=EXACT_CHUNKS if phased else 1, FOLD_MASK=bool(FOLD_EXACT_MASK),
+        VAL_TRANS=byte_vals, VB8=vb8,
         num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
