@@ -4,6 +4,7 @@ side in one run on one device (same model, same dtype, same prompts, greedy, fix
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -55,6 +56,30 @@ def bench_tqserve(
     return batch * new_tokens / dt
 
 
+class _GCTimer:
+    """Time the interpreter spends in cyclic garbage collection (per generation) while active: a
+    full collection walks every tracked container, KV page bookkeeping included."""
+
+    def __init__(self) -> None:
+        self.ms = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self._t = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.ms[info["generation"]] += (time.perf_counter() - self._t) * 1e3
+            self.count[info["generation"]] += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def _decode_only(llm, prompts, params, dev, rounds: int = 2) -> float:
     """Prefill everything, then time the steps in which every request decodes one token. The whole
     batch runs `rounds` times and the last round is reported: the first one compiles every kernel
@@ -73,12 +98,14 @@ def _decode_only(llm, prompts, params, dev, rounds: int = 2) -> float:
         _sync(dev)
         t = time.perf_counter()
         tokens = 0
-        while eng.has_unfinished_requests():
-            sched_before = len(eng.scheduler.running)
-            eng.step()
-            tokens += sched_before
-        _sync(dev)
+        with _GCTimer() as gct:
+            while eng.has_unfinished_requests():
+                sched_before = len(eng.scheduler.running)
+                eng.step()
+                tokens += sched_before
+            _sync(dev)
         rate = tokens / (time.perf_counter() - t)
+    print(f"  timed steps: garbage collection {gct.count} runs per generation, {sum(gct.ms):.1f} ms", flush=True)
     return rate
 
 
