@@ -1,3 +1,7 @@
+import gc
+
+import pytest
+
 from tqserve.core.block_pool import BlockPool
 
 
@@ -20,7 +24,7 @@ def test_cached_pages_survive_free_and_evict_in_lru_order():
     (x,) = pool.allocate(1)
     assert x == c and pool.lookup(33) is None and pool.lookup(11) == a
     pool.touch(a)  # a hit takes it off the free list
-    assert pool.ref_cnt[a] == 1 and a not in pool.free
+    assert pool.ref_cnt[a] == 1 and not pool.is_free(a) and a not in pool.iter_free()
     (y,) = pool.allocate(1)
     assert y == b
 
@@ -33,3 +37,105 @@ def test_duplicate_content_keeps_first_page():
     assert pool.lookup(7) == a
     pool.release([a, b])
     assert pool.num_free == 3
+
+
+def _check_free_queue(pool):
+    """The linked free queue agrees with the ref counts and the free count, both directions."""
+    fwd = list(pool.iter_free())
+    assert len(fwd) == len(set(fwd)) == pool.num_free
+    assert set(fwd) == {b for b in range(1, pool.num_blocks) if pool.ref_cnt[b] == 0}
+    assert all(pool.is_free(b) == (b in set(fwd)) for b in range(pool.num_blocks))
+    back, b = [], pool._prev[0]
+    while b != 0:
+        back.append(b)
+        b = pool._prev[b]
+    assert back == fwd[::-1]
+    return fwd
+
+
+def test_free_queue_lru_order():
+    pool = BlockPool(8)
+    assert _check_free_queue(pool) == [1, 2, 3, 4, 5, 6, 7]
+    assert pool.allocate(3) == [1, 2, 3]  # oldest first
+    assert _check_free_queue(pool) == [4, 5, 6, 7]
+    pool.release([3, 1])  # appended to the tail in the order given
+    assert _check_free_queue(pool) == [4, 5, 6, 7, 3, 1]
+    pool.touch(6)  # from the middle
+    assert _check_free_queue(pool) == [4, 5, 7, 3, 1]
+    pool.touch(4)  # the head
+    pool.touch(1)  # the tail
+    assert _check_free_queue(pool) == [5, 7, 3]
+    pool.touch(1)  # a second reference: still out of the queue
+    pool.release([1])
+    assert _check_free_queue(pool) == [5, 7, 3] and pool.ref_cnt[1] == 1
+    pool.release([4, 1, 6])
+    assert _check_free_queue(pool) == [5, 7, 3, 4, 1, 6]
+    assert pool.allocate(6) == [5, 7, 3, 4, 1, 6] and pool.num_free == 0
+    assert _check_free_queue(pool) == [] and pool.usage == 1.0
+    pool.release([2])
+    assert _check_free_queue(pool) == [2] and pool.num_free == 1
+    with pytest.raises(RuntimeError, match="out of pages"):
+        pool.allocate(2)
+
+
+def test_double_free_is_asserted():
+    pool = BlockPool(4)
+    (a,) = pool.allocate(1)
+    pool.release([a])
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.release([a])
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.release([0])  # the null page is never allocated
+
+
+def test_on_evict_and_reuse_of_cached_pages():
+    evicted = []
+    pool = BlockPool(5, on_evict=evicted.append)
+    a, b, c = pool.allocate(3)
+    pool.register(a, 1)
+    pool.register(b, 2)
+    pool.release([c])  # never cached: dead at once
+    assert evicted == [c]
+    pool.release([b, a])
+    assert evicted == [c] and pool.lookup(1) == a and pool.lookup(2) == b
+    pool.uncache(b)  # still free, no longer findable
+    assert evicted == [c, b] and pool.lookup(2) is None and pool.is_free(b)
+    assert pool.allocate(2) == [4, c]  # free queue was [4, c, b, a]
+    assert evicted == [c, b]  # neither was cached
+    assert pool.allocate(2) == [b, a] and evicted == [c, b, a] and pool.lookup(1) is None
+    assert pool.block_hash == {} and pool.cached == {}
+
+
+def test_reserve_sink_scan_may_uncache_the_yielded_page():
+    pool = BlockPool(6, on_evict=lambda page: None)
+    blocks = pool.allocate(5)
+    for i, blk in enumerate(blocks):
+        pool.register(blk, 100 + i)
+    pool.release(blocks)
+    seen = []
+    for page in pool.iter_free():
+        seen.append(page)
+        pool.uncache(page)
+    assert seen == blocks and pool.cached == {} and pool.num_free == 5
+
+
+def test_big_pool_adds_nothing_the_gc_traverses():
+    """A GPU pool has millions of pages; per-page bookkeeping in lists / OrderedDicts made every full
+    gc.collect() walk them (~100 ms at 4M pages). A full collection visits only GC-tracked objects
+    and, through their tp_traverse, their referents: every attribute of the pool must be untracked
+    (ints, dicts holding only ints) or have O(1) referents (array.array visits just its type)."""
+    n = 2_000_000
+    pool = BlockPool(n, on_evict=lambda page: None)
+    blocks = pool.allocate(n // 2)
+    for i, blk in enumerate(blocks[: n // 4]):
+        pool.register(blk, hash((i, "salt")))
+    pool.release(blocks[::-1][: n // 4])
+    assert pool.num_free == n - 1 - n // 4 and len(pool.cached) == len(pool.block_hash) == n // 4
+    del blocks
+    # The pool itself: its type and attributes (or its __dict__ with keys and values), O(1).
+    assert len(gc.get_referents(pool)) <= 2 + 2 * len(vars(pool)) < 40
+    for name, value in vars(pool).items():
+        if name == "on_evict":  # the caller's callback: what it holds is not the pool's
+            continue
+        if gc.is_tracked(value):
+            assert len(gc.get_referents(value)) <= 1, name

@@ -169,7 +169,7 @@ class KVCacheManager:
         if self.free_sink_slots:
             return True
         # Evict the sinks of the oldest free first page; that page can no longer be hit.
-        for page in self.pool.free:
+        for page in self.pool.iter_free():
             if page in self.sink_of_page:
                 self.pool.uncache(page)
                 return bool(self.free_sink_slots)
