@@ -3,8 +3,8 @@
 CPU: the size table, which steps a graph serves, and the padded metadata the builder writes.
 GPU: (1) capture correctness, bit for bit: an engine whose decode steps replay graphs gives the
 same greedy tokens as one that runs the very same padded steps eagerly, for a bfloat16 model and
-bf16 / TurboQuant pages; (2) the plain-path check of every engine feature: graphs on vs
-`enforce_eager`, float32 model (where rounding never flips a greedy token in these tests), with
+bf16 / TurboQuant pages; (2) the plain-path check: graphs on vs `enforce_eager`, float32 model
+with unquantized pages (where rounding never flips a greedy token in these tests), with
 continuous batching, chunked prefill and prefix-cache hits in the run.
 """
 
@@ -153,10 +153,15 @@ def test_replay_equals_eager_bitwise(gguf_path, kv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", KV)
+@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
 def test_graphs_match_eager_engine(gguf_path, kv):
     """float32 model: decode with graphs (padded batches, fixed split-K bound) gives the greedy
-    tokens of the plain eager engine."""
+    tokens of the plain eager engine. Unquantized pages only: a padded batch changes the split-K
+    count and the GEMM shapes, i.e. float32 rounding, and TurboQuant pages turn a rounding
+    difference into a different index now and then (a rotated coordinate on a quantization
+    boundary; see test_gpu_backend_agreement.py), which can flip a greedy token. On this model that
+    happened in 1 of 32 sequences for turboquant_4bit_nc (H100, 2026-11-26). TurboQuant presets
+    are held to the bit-exact replay test above instead."""
     loaded = _load(gguf_path, "float32")
     prompts = mixed_prompts()
     got, replays = _run(_engine(loaded, "float32", kv), prompts)

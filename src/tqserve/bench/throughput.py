@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument(
-        "--repeats", type=int, default=1, help="alternate the two sides this many times; report each side's median"
+        "--repeats", type=int, default=1, help="run every side this many times, interleaved; report each one's median"
     )
     args = p.parse_args(argv)
     device = resolve_device(args.device)
@@ -171,13 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     rows = []
     for b in args.batch:
-        for kv, eager in [(kv, e) for kv in args.kv_cache_dtype for e in args.enforce_eager]:
-            refs, ours_all = [], []
-            for _ in range(max(1, args.repeats)):
-                # Alternating the sides spreads any drift of the machine (other load, clocks) over both.
-                if hf is not None:
-                    refs.append(bench_transformers(hf, loaded[2], b, args.new_tokens, device))
-                ours_all.append(
+        configs = [(kv, e) for kv in args.kv_cache_dtype for e in args.enforce_eager]
+        runs: dict[tuple[str, bool], list[float]] = {c: [] for c in configs}
+        refs: list[float] = []
+        for r in range(max(1, args.repeats)):
+            # Every repeat runs each configuration once, in an order rotated by one, so drift of the
+            # machine (other load, clocks) and the position in the sequence spread over all of them.
+            if hf is not None:
+                refs.append(bench_transformers(hf, loaded[2], b, args.new_tokens, device))
+            for kv, eager in configs[r % len(configs) :] + configs[: r % len(configs)]:
+                runs[kv, eager].append(
                     bench_tqserve(
                         loaded,
                         b,
@@ -189,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                         enforce_eager=eager,
                     )
                 )
+        ref = statistics.median(refs) if refs else None
+        for (kv, eager), ours_all in runs.items():
             ours = statistics.median(ours_all)
-            ref = statistics.median(refs) if refs else None
             row = {
                 "batch": b,
                 "prompt_len": args.prompt_len,
@@ -200,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             if len(ours_all) > 1:
                 row.update(tqserve_runs=ours_all, transformers_runs=refs)
-            mode = "eager" if eager else "graphs"
+            mode = "eager" if eager or device.type != "cuda" else "graphs"
             line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} {mode:6s} tqserve {ours:9.1f} tok/s"
+            if len(ours_all) > 1:
+                line += f" (runs {', '.join(f'{x:.1f}' for x in ours_all)})"
             if ref is not None:
                 row.update(transformers_tok_s=ref, ratio=ours / ref)
                 line += f"  transformers {ref:9.1f} tok/s  ratio {ours / ref:5.2f}x"
