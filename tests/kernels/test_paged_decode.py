@@ -70,15 +70,18 @@ def test_eligibility(monkeypatch):
 
 
 def test_launch_configs():
-    """16-row programs at d >= 128 take the wide configuration, verify rows and d = 64 one warp."""
-    assert paged_decode.launch_config(16, 128) == (
-        paged_decode.NUM_WARPS,
-        paged_decode.BLOCK_N,
-        paged_decode.SPLIT_TARGET,
-    )
-    small = (paged_decode.SMALL_NUM_WARPS, paged_decode.SMALL_BLOCK_N, paged_decode.SMALL_SPLIT_TARGET)
-    assert paged_decode.launch_config(32, 128) == small
-    assert paged_decode.launch_config(16, 64) == small
+    """The tuned table: 16-row programs at d >= 128 take the wide configuration (2 pipeline stages
+    only when the requests fill the SMs), d = 64 decode and verify rows one warp (verify of
+    exact-copy layouts at d >= 128 without pipelining)."""
+    pd = paged_decode
+    wide = (pd.NUM_WARPS, pd.BLOCK_N, pd.SPLIT_TARGET)
+    assert pd.launch_config(16, 128, False, 256, 132) == (*wide, pd.NUM_STAGES)
+    assert pd.launch_config(16, 128, True, 8, 132) == (*wide, pd.FEW_PROGRAMS_STAGES)
+    assert pd.launch_config(16, 64) == (pd.SMALL_NUM_WARPS, pd.SMALL_BLOCK_N, pd.SMALL_SPLIT_TARGET, pd.SMALL_STAGES)
+    one = (pd.SMALL_NUM_WARPS, pd.SMALL_BLOCK_N)
+    assert pd.launch_config(32, 128, False) == (*one, pd.VERIFY_SPLIT_TARGET, pd.VERIFY_STAGES)
+    assert pd.launch_config(32, 128, True) == (*one, pd.VERIFY_SPLIT_TARGET, pd.VERIFY_EXACT_WIDE_STAGES)
+    assert pd.launch_config(32, 64, True) == (*one, pd.VERIFY_SMALL_D_SPLIT_TARGET, pd.VERIFY_STAGES)
     assert paged_decode.program_rows(1, 4) == 16 and paged_decode.program_rows(5, 4) == 32
     assert paged_decode.program_rows(5, 7) == 64  # GQA 7 pads to 8
 

@@ -23,7 +23,7 @@ Everything else follows `paged.py`: rows are (query token, head of the GQA group
 32 for verify steps), the exact sink + window rule reads the fresh k / v, the ring and the sink
 buffer (`_load_exact`) in a pass after the packed loop; exact values accumulate in a second output
 part; split-K partials are combined by `_split_reduce_kernel`; rotated values are rotated back once.
-Launch configurations (warps, key tile, split-K target) come from `launch_config`.
+Launch configurations (warps, key tile, split-K target, pipeline stages) come from `launch_config`.
 """
 
 from __future__ import annotations
@@ -51,18 +51,30 @@ MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # GPU decoders of 2- / 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
 # numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
-# Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants):
-# - decode at d >= 128 (16-row programs): 4 warps over 128-key tiles, split-K for ~4 programs / SM;
-# - verify rows (32 per program) and d < 128: one warp over 32-key tiles, split-K for ~12 programs
-#   per SM. One warp means no cross-warp softmax reductions (no barriers in the key loop) and no
-#   operand decoded twice: with 32 rows, 4 warps tile the dots 2 x 2 and decode every word twice.
+# Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants;
+# docs/benchmarks.md, "Launch table"):
+# - decode at d >= 128 (16-row programs): 4 warps over 128-key tiles, split-K for ~4 programs / SM,
+#   2 pipeline stages when the requests alone give every SM a program (32 x 32K: -10%), else 1 (one
+#   request over 128K: 2 stages were 27% slower for 4-bit keys);
+# - decode at d < 128: one warp over 32-key tiles, ~16 programs / SM, 2 stages (-15% at SmolLM2's
+#   64 x 4K, d = 64);
+# - verify rows (32 per program): one warp over 32-key tiles, ~6 (d < 128) or ~12 programs / SM,
+#   2 stages except for exact-copy layouts at d >= 128 (tq3: +17% with 2, register-bound).
+#   One warp means no cross-warp softmax reductions (no barriers in the key loop) and no operand
+#   decoded twice: with 32 rows, 4 warps tile the dots 2 x 2 and decode every word twice.
 BLOCK_N = 128
 NUM_WARPS = 4
 SPLIT_TARGET = 4  # programs per SM the split-K count aims at
+NUM_STAGES = 2
+FEW_PROGRAMS_STAGES = 1  # decode at d >= 128 with fewer (request, KV head) programs than SMs
 SMALL_BLOCK_N = 32
 SMALL_NUM_WARPS = 1
-SMALL_SPLIT_TARGET = 12
-NUM_STAGES = 1
+SMALL_SPLIT_TARGET = 16
+SMALL_STAGES = 2
+VERIFY_SPLIT_TARGET = 12
+VERIFY_SMALL_D_SPLIT_TARGET = 6
+VERIFY_STAGES = 2
+VERIFY_EXACT_WIDE_STAGES = 1
 # The exact sink / window pass of programs with at least EXACT_PHASED_ROWS rows runs in two phases
 # (softmax statistics before the packed loop, exact values after it in EXACT_CHUNKS column chunks):
 # a one-warp 32-row program cannot hold the packed accumulators, the exact query and a [rows, d]
@@ -669,11 +681,19 @@ def _asm_b8(layout) -> tuple[str, str, str, str]:
     return cache["vb8"]
 
 
-def launch_config(rows: int, head_dim: int) -> tuple[int, int, int]:
-    """(warps, key tile, programs per SM for split-K) for programs of `rows` rows."""
+def launch_config(
+    rows: int, head_dim: int, exact: bool = False, programs: int = 0, sms: int = 132
+) -> tuple[int, int, int, int]:
+    """(warps, key tile, programs per SM for split-K, pipeline stages) for programs of `rows` rows;
+    `exact`: the layout keeps sink / window copies; `programs`: (request, KV head, query block)
+    programs before split-K. A table measured on the card, no run-time autotuning."""
     if rows <= 16 and head_dim >= 128:
-        return NUM_WARPS, BLOCK_N, SPLIT_TARGET
-    return SMALL_NUM_WARPS, SMALL_BLOCK_N, SMALL_SPLIT_TARGET
+        return NUM_WARPS, BLOCK_N, SPLIT_TARGET, NUM_STAGES if programs >= sms else FEW_PROGRAMS_STAGES
+    if rows <= 16:
+        return SMALL_NUM_WARPS, SMALL_BLOCK_N, SMALL_SPLIT_TARGET, SMALL_STAGES
+    target = VERIFY_SPLIT_TARGET if head_dim >= 128 else VERIFY_SMALL_D_SPLIT_TARGET
+    stages = VERIFY_EXACT_WIDE_STAGES if exact and head_dim >= 128 else VERIFY_STAGES
+    return SMALL_NUM_WARPS, SMALL_BLOCK_N, target, stages
 
 
 def pick_splits(programs: int, max_seq_len: int, sms: int, block_n: int = 128, per_sm: int = 4) -> int:
@@ -703,8 +723,9 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         bq //= 2
     bq = max(bq, 16 // gp)  # tl.dot needs at least 16 rows
     n_qblocks = triton.cdiv(max(1, meta.max_query_len), bq)
-    warps, block_n, per_sm = launch_config(bq * gp, d)
     programs = meta.num_reqs * hkv * n_qblocks
+    exact_copies = bool(layout.sink or layout.window)
+    warps, block_n, per_sm, stages = launch_config(bq * gp, d, exact_copies, programs, _num_sms(dev))
     splits = num_splits or pick_splits(programs, meta.max_seq_len, _num_sms(dev), block_n, per_sm)
     tiles = triton.cdiv(max(1, meta.max_seq_len), block_n)
     split_n = triton.cdiv(tiles, splits) * block_n
@@ -760,6 +781,6 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", BLOCK_X=16,
         X_PHASED=phased, XH=EXACT_CHUNKS if phased else 1, FOLD_MASK=bool(FOLD_EXACT_MASK),
         VAL_TRANS=byte_vals, VB8=vb8,
-        num_warps=warps, num_stages=NUM_STAGES,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
