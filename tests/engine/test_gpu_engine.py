@@ -54,7 +54,7 @@ def run(loaded, prompts, backend, kv, cfg):
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-@pytest.mark.parametrize("kv", ["auto", "tq4", "turboquant_4bit_nc", "tq_k5v3_ncs_s4_w44+v4@7.17.23"])
+@pytest.mark.parametrize("kv", ["auto", "bfloat16", "tq4", "turboquant_4bit_nc", "tq_k5v3_ncs_s4_w44+v4@7.17.23"])
 def test_triton_matches_reference(loaded_gpu, kv, cfg):
     prompts = mixed_prompts()
     ref, _ = run(loaded_gpu, prompts, "reference", kv, CONFIGS[cfg])

@@ -1,5 +1,6 @@
 """The hybrid model through the engine on CUDA (fla prefill chunks + Triton GDN decode + the engine's
-CUDA attention backend), float32: equal to the CPU reference path, whatever the chunk budget."""
+CUDA attention backend), float32: equal to the CPU reference path, whatever the chunk budget, with
+decode steps replaying CUDA graphs and with `enforce_eager`."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_engine_cuda_matches_cpu_reference(tmp_path):
     # The engine's loader allows only bfloat16 on CUDA; hand it a float32 model directly.
     model = hf.load_tqserve_model(path, device="cuda")
     loaded = (model, model.config, Tokenizer.from_pretrained(path))
-    for budget in (5, 4096):
+    for budget, eager in ((5, False), (4096, False), (4096, True)):
         llm = LLM(
             loaded=loaded,
             dtype="float32",
@@ -41,6 +42,9 @@ def test_engine_cuda_matches_cpu_reference(tmp_path):
             max_num_batched_tokens=budget,
             enable_prefix_caching=False,
             kv_cache_memory_bytes=256 << 20,
+            enforce_eager=eager,
         )
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        assert got == expected, budget
+        assert got == expected, (budget, eager)
+        # decode steps replayed CUDA graphs (GDN state slots and attention pages read in place)
+        assert (llm.engine.get_stats()["cuda_graph_replays"] > 0) != eager

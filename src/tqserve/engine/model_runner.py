@@ -202,17 +202,15 @@ class ModelRunner:
 
     def _capture_graphs(self):
         """Decode CUDA graphs (engine/cuda_graphs.py) where they apply: CUDA, the Triton backend
-        (the torch backends loop over host lists), no recurrent state (the GDN layers' host-side
-        bookkeeping is not captured yet), and not `enforce_eager`."""
+        (the torch backends loop over host lists), and not `enforce_eager`. Hybrid models' GDN
+        layers decode through `gdn_decode`, which reads the state slots from the same metadata;
+        padding rows use the null state slot 0."""
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:
             return None
         from tqserve.attention.triton_backend import TritonAttentionBackend
 
         if not isinstance(self.backend, TritonAttentionBackend):
-            return None
-        if self.state_specs:
-            logger.info("hybrid model: decode steps run eagerly (CUDA graphs not captured)")
             return None
         from tqserve.engine.cuda_graphs import DecodeGraphs, default_sizes
 
