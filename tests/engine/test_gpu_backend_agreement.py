@@ -11,7 +11,8 @@ model, the reference keeps its own pages):
 - the Triton attention kernels, run on the pages the *reference* encoder wrote, give the reference
   backend's output (float32 model: <= 5e-5 relative per call, measured ~1e-6; bfloat16: <= 2e-2);
 - the Triton store kernel writes the reference encoder's indices except at boundary ties
-  (<= 1e-4 of them; measured ~1e-5) and, where indices agree, the same scales.
+  (<= 1e-4 of the index bytes; measured <= 5e-6; gain-search layers, where a near-tie between two
+  gains re-picks a whole row: <= 2e-3, measured 3e-4).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class _Dual:
         self.store = triton_backend.store
         self.ref = ReferenceBackend(ref_store)
         self.kernel_err: list[float] = []
-        self.idx_total = 0
-        self.idx_diff = 0
+        # index bytes compared / differing, for plain layers and for gain-search layers
+        self.idx_total = {False: 0, True: 0}
+        self.idx_diff = {False: 0, True: 0}
 
     def forward(self, layer, q, k, v, meta, scale):
         n = meta.num_tokens
@@ -61,13 +63,14 @@ class _Dual:
         slots = meta.slot_mapping[:n]
         slots = slots[slots >= 0]
         bs = s2.block_size
+        search = self.tri.plans[layer].search
         for name, mine in self.store.pages[layer].items():
             if mine.dtype == torch.uint8 and name.endswith("idx"):
                 x = mine[slots // bs, :, slots % bs]
                 y = s2.pages[layer][name][slots // bs, :, slots % bs]
                 # compared bytewise: a byte holds 2 (4-bit) or 4 (2-bit) indices
-                self.idx_total += x.numel()
-                self.idx_diff += int((x != y).sum())
+                self.idx_total[search] += x.numel()
+                self.idx_diff[search] += int((x != y).sum())
         return out
 
 
@@ -106,8 +109,12 @@ def test_triton_backend_agrees_call_by_call(gguf_path, dtype, kv, chunk):
     r.backend = dual
     llm.generate(mixed_prompts(8), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     worst = max(dual.kernel_err)
-    flips = dual.idx_diff / max(1, dual.idx_total)
+    flips = {k: dual.idx_diff[k] / max(1, dual.idx_total[k]) for k in (False, True)}
     print(f"\n{dtype} kv={kv} chunk={chunk}: {len(dual.kernel_err)} calls, kernel vs reference on the same pages "
-          f"max {worst:.2e}; store index bytes differing {flips:.2e}")  # fmt: skip
+          f"max {worst:.2e}; store index bytes differing {flips[False]:.2e} (gain-search layers "
+          f"{flips[True]:.2e})")  # fmt: skip
     assert worst <= TOL[dtype], f"kernel vs reference on the reference's pages: {worst:.2e}"
-    assert flips <= 1e-4, f"{flips:.2e} of the store's index bytes differ from the reference encoder's"
+    assert flips[False] <= 1e-4, f"{flips[False]:.2e} of the store's index bytes differ from the reference's"
+    # Gain search: a near-tie between two gains re-picks every index of that row (tests/kernels/
+    # test_store_triton.py holds such rows to reconstruct no worse); measured 3e-4 of bytes here.
+    assert flips[True] <= 2e-3, f"gain-search layers: {flips[True]:.2e} of index bytes differ"
