@@ -88,15 +88,23 @@ class InputBatchBuilder:
         bt_np = self.block_tables.np
         for i, s in enumerate(sched.requests):
             n = len(s.token_ids)
-            pos = np.arange(s.start_pos, s.start_pos + n)
-            ids_np[t : t + n] = s.token_ids
-            pos_np[t : t + n] = pos
-            table = np.asarray(s.block_table, dtype=np.int64)
-            slots = table[pos // bs] * bs + pos % bs
-            slots[pos < s.num_page_tokens_cached] = -1  # shared pages already hold these tokens
-            slot_np[t : t + n] = slots
-            slot_map.extend(slots.tolist())
             bt_np[i, : len(s.block_table)] = s.block_table
+            if n == 1:
+                # A decode row: scalar arithmetic (numpy's per-call overhead is most of a row's cost).
+                p = s.start_pos
+                slot = -1 if p < s.num_page_tokens_cached else s.block_table[p // bs] * bs + p % bs
+                ids_np[t] = s.token_ids[0]
+                pos_np[t] = p
+                slot_np[t] = slot
+                slot_map.append(slot)
+            else:
+                pos = np.arange(s.start_pos, s.start_pos + n)
+                ids_np[t : t + n] = s.token_ids
+                pos_np[t : t + n] = pos
+                slots = bt_np[i, pos // bs].astype(np.int64) * bs + pos % bs
+                slots[pos < s.num_page_tokens_cached] = -1  # shared pages already hold these tokens
+                slot_np[t : t + n] = slots
+                slot_map.extend(slots.tolist())
             tables.append(s.block_table)
             seq_lens.append(s.start_pos + n)
             seq_slots.append(s.seq_slot)
