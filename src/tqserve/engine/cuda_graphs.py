@@ -13,8 +13,8 @@ split count is the captured one. Steps a graph cannot serve run eagerly: prefill
 exact-window snapshots due this step, more requests than the largest size.
 
 Warmup is capture (invariant 4): each size runs the same padded step eagerly first, which compiles
-every Triton specialization it reaches, then the same step is captured; a compile or a host sync
-inside the capture fails it loudly (CUDA refuses both during capture).
+every Triton specialization it reaches, then the same step is captured; a host sync inside the
+capture fails it loudly (CUDA refuses it during capture).
 """
 
 from __future__ import annotations
