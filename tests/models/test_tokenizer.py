@@ -88,3 +88,20 @@ def test_stop_tokens_include_generation_config(tmp_path):
     tok = Tokenizer.from_pretrained(str(tmp_path))
     assert tok.eos_token_id == hf.eos_token_id
     assert tok.stop_token_ids == [hf.eos_token_id, extra]
+
+
+def test_backend_decode_equals_transformers_decode(tokenizer):
+    """Fast tokenizers decode through the Rust backend directly; it must give transformers'
+    `decode` (without space clean-up) on any window of ids, special tokens kept or skipped."""
+    import random
+
+    assert tokenizer._backend_decode is not None
+    hf = tokenizer.hf
+    rng = random.Random(0)
+    ids = [rng.randrange(len(hf)) for _ in range(3000)]
+    ids[::97] = [hf.eos_token_id] * len(ids[::97])
+    for i in range(0, len(ids), 5):
+        window = ids[i : i + rng.randrange(1, 9)]
+        for skip in (False, True):
+            want = hf.decode(window, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert tokenizer.decode(window, skip_special_tokens=skip) == want
