@@ -17,7 +17,7 @@ from paged_cases import backend_step_errors
 
 from tqserve.kvquant.packing import unpack_bits
 from tqserve.kvquant.presets import make_layer_format
-from tqserve.kvquant.store_triton import MINMAX, StorePlan, store_kv
+from tqserve.kvquant.store_triton import MINMAX, TQ, StorePlan, store_kv
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -60,6 +60,18 @@ def _check_search_rows(preset, fmt, want, got, k, v, slots, d):
         )
 
 
+def _assert_tq_pages_identical(plan: StorePlan, want: dict, got: dict, what: str) -> None:
+    """TurboQuant sides on the Hadamard-tile path (the nearest-centroid encoder) write the reference's
+    bytes exactly: indices and fp16 scales (both rotate in the same fixed point, `tq_rotate`)."""
+    for mode, _bits, pay, sc, _zr, _tab in plan.sides:
+        if mode != TQ:
+            continue
+        for name in (pay, sc):
+            a, b = want[name].view(torch.uint8), got[name].view(torch.uint8)
+            rows = (a != b).reshape(*a.shape[:3], -1).any(-1)
+            assert not rows.any(), f"{what} {name}: {int(rows.sum())} of {rows.numel()} rows differ from the reference"
+
+
 def _compare(preset: str, hkv: int, d: int, t: int, seed: int, wmax: int = 64) -> None:
     gen = torch.Generator().manual_seed(seed)
     bs, nb = 16, (t + 15) // 16 + 3
@@ -77,6 +89,8 @@ def _compare(preset: str, hkv: int, d: int, t: int, seed: int, wmax: int = 64) -
     fmt.write(want, k[keep], v[keep], slots[keep])
     plan = StorePlan(fmt, DEV, wmax=wmax)
     store_kv(got, plan, k, v, slots)
+    if not plan.search:
+        _assert_tq_pages_identical(plan, want, got, preset)
     if plan.search:
         _check_search_rows(preset, fmt, want, got, k[keep], v[keep], slots[keep], d)
     # rows (slot, head) whose indices differ: their TurboQuant scale legitimately differs too
@@ -142,6 +156,57 @@ def _compare(preset: str, hkv: int, d: int, t: int, seed: int, wmax: int = 64) -
 )
 def test_store_matches_reference(preset, d):
     _compare(preset, 3, d, 21, seed=d + len(preset))
+
+
+def _bit_identical_case(preset: str, d: int, dtype: torch.dtype, t: int, seed: int) -> None:
+    """Store kernel vs reference on rows built to stress the fixed point: a wide spread of norms
+    (2^-90 .. 2^40), all-zero rows, rows below the 2^-99 floor, one huge coordinate among tiny ones,
+    integer-valued rows, float32 / fp16 / bf16 inputs, rows whose rotated coordinates sit on a
+    quantization boundary's float neighbours (tiny nudges of one coordinate)."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv, bs = 2, 16
+    nb = (t + bs - 1) // bs + 2
+    fmt = make_layer_format(preset, 1, hkv, d, torch.bfloat16)
+    x = torch.randn(2, t, hkv, d, generator=gen)
+    x = x * torch.exp2(torch.randint(-90, 40, (2, t, hkv, 1), generator=gen).float())
+    x[:, 0] = 0.0
+    x[:, 1] = 1e-33
+    x[:, 2] = torch.randn(2, hkv, d, generator=gen) * 1e-6
+    x[:, 2, :, 5] = 3e4
+    x[:, 3] = torch.randint(-9, 10, (2, hkv, d), generator=gen).float()
+    x[:, 4:8] = x[:, 8:12] * (1 + 2.0**-22 * torch.randint(-3, 4, (2, 4, hkv, d), generator=gen))
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    k, v = x.to(DEV, dtype)
+    slots = (torch.randperm((nb - 1) * bs, generator=gen)[:t] + bs).to(DEV)
+    want, got = fmt.allocate(nb, bs, DEV), fmt.allocate(nb, bs, DEV)
+    fmt.write(want, k, v, slots)
+    plan = StorePlan(fmt, DEV)
+    assert plan.tiles is not None and not plan.search
+    store_kv(got, plan, k, v, slots)
+    _assert_tq_pages_identical(plan, want, got, f"{preset} d {d} {dtype}")
+
+
+@pytest.mark.parametrize(
+    "preset,d,dtype",
+    [
+        ("turboquant_4bit_nc", 64, torch.float32),
+        ("turboquant_4bit_nc", 128, torch.bfloat16),
+        ("turboquant_3bit_nc", 80, torch.float16),
+        ("tq_k4v3_ub_s4_w128", 256, torch.float32),
+        ("tq_k5v6_plain", 64, torch.float32),
+    ],
+)
+def test_store_tq_bit_identical(preset, d, dtype):
+    _bit_identical_case(preset, d, dtype, 40, seed=d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "tq3", "tq_k4v3_ub_s4_w128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_store_tq_bit_identical_gpu(preset, d, dtype):
+    _bit_identical_case(preset, d, dtype, 20000, seed=d)
 
 
 @pytest.mark.parametrize("preset", ["tq4s", "tq3s"])

@@ -5,7 +5,15 @@ Every function works on x [..., d] and treats each row (one token, one KV head) 
 
 TurboQuant MSE (`tq_encode`): n = ||x||, u = x / n, y = R u, idx_j = #{boundaries < y_j} over the
 Lloyd-Max N(0,1) boundaries scaled 1/sqrt(d); decode x_hat = scale * R^T c[idx] with c the
-centroids scaled 1/sqrt(d). The stored fp16 scale depends on the scale mode:
+centroids scaled 1/sqrt(d). y is computed in fixed point so that any summation order gives it bit
+for bit (`tq_rotate`): the row is scaled by the power of two that puts its largest |x| below
+2^FIX_BITS and truncated to integers xi (2^-21 of the row's max: far below the codec's error), the
+Hadamard sums of xi and ||xi||^2 are exact integers, and y = z / sqrt(block * ||xi||^2) takes a
+fixed sequence of IEEE float32 operations. The GPU store kernel forms the same integers on tensor
+cores, so both write the same indices, and the same scales up to float64 summation order (sums of
+exact float64 products, then rounded to float32): pages are identical, which is what lets greedy
+output with the Triton backend equal the reference backend's token for token. The stored fp16
+scale depends on the scale mode:
   plain     scale = n                       (MSE-only; shrinks <x, x_hat> by about 1 - D)
   nc        scale = n / ||c[idx]||          (vLLM's norm correction: ||x_hat|| = ||x||)
   unbiased  scale = n / <y, c[idx]>         (tqserve: <x, x_hat> = ||x||^2 exactly, so scores with
@@ -31,12 +39,18 @@ import torch
 
 from tqserve.kvquant.codebooks import gaussian_codebook
 from tqserve.kvquant.packing import pack_bits, unpack_bits
-from tqserve.kvquant.rotation import Rotation
+from tqserve.kvquant.rotation import Rotation, fwht
 
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_MODES = ("plain", "nc", "unbiased")
+# Fixed point of `tq_rotate`: |xi| < 2^21, so a Hadamard block of up to 512 sums to < 2^30 (int32 in
+# the kernel). FIX_BIAS - e is the float32 exponent field of p = 2^k (k = 147 - e); FIX_MIN_EXP: rows
+# whose max |x| is below 2^-99 count as zero (keeps p a normal float32).
+FIX_BITS = 21
+FIX_BIAS = 127 + FIX_BITS + 126
+FIX_MIN_EXP = 28
 # Gains tried by the search encoder: 1 first (ties keep the plain indices), then 0.75..1.35 in 1/80 steps.
 SEARCH_GAINS = (1.0,) + tuple(round(0.75 + i / 80, 6) for i in range(49) if i != 20)
 
@@ -70,6 +84,49 @@ def tq_search_indices(y: torch.Tensor, bits: int) -> torch.Tensor:
     return cand.gather(-2, best.unsqueeze(-1).expand(*best.shape, y.shape[-1])).squeeze(-2)
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root, as IEEE and the kernels' `sqrt_rn` define it. torch's
+    CPU float32 sqrt is not (one ulp off for ~19% of inputs in this build): a float64 root rounded
+    to float32 is at most one ulp off, and exact float64 compares of x with the squares of the
+    midpoints to its neighbours (25 significant bits, so the squares are exact) correct it."""
+    x = x.float()
+    s = torch.sqrt(x.double()).float()
+    lo = torch.nextafter(s, torch.zeros_like(s))
+    hi = torch.nextafter(s, torch.full_like(s, math.inf))
+    xd, sd = x.double(), s.double()
+    mlo, mhi = (sd + lo.double()) / 2, (sd + hi.double()) / 2
+    return torch.where(xd < mlo * mlo, lo, torch.where(xd > mhi * mhi, hi, s))
+
+
+def fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(xi int64 [..., d], p, 1 / p float32 [...]): xi = trunc(x * p) with p = 2^k the power of two that
+    puts the row's largest |x| below 2^FIX_BITS, found from its float32 exponent field e (k = 147 - e).
+    Rows whose max is below 2^-99 (e < 28) get p = 0: all-zero rows, as the kernel forms them. x * p is
+    exact (a power of two) wherever it is >= 1, so truncation sees the same value on every device."""
+    x = x.float()
+    e = (x.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
+    live = e >= FIX_MIN_EXP
+    p = torch.where(live, ((FIX_BIAS - e) << 23).view(torch.float32), 0.0)
+    rp = torch.where(live, ((e - FIX_BIAS + 254) << 23).view(torch.float32), 0.0)
+    return (x * p.unsqueeze(-1)).to(torch.int64), p, rp
+
+
+def tq_rotate(x: torch.Tensor, rotation: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y = R x / ||x|| float32 [..., d], ||x|| float32 [...]) in fixed point (module docstring): the
+    Hadamard sums are exact integers, then per block of size b y = float32(z) * (1 / sqrt(b * n2)) and
+    ||x|| = sqrt(n2) / p, each an IEEE float32 operation (n2 = ||xi||^2 rounded to float32 once)."""
+    xi, _, rp = fixed_point(x)
+    n2 = (xi * xi).sum(-1).float()
+    z = xi * rotation.signs.to(xi.device, torch.int64)
+    ys, o = [], 0
+    for b in rotation.blocks:
+        f = torch.where(n2 > 0, 1.0 / sqrt_rn(n2 * b), 0.0)
+        ys.append(fwht(z[..., o : o + b]).float() * f.unsqueeze(-1))
+        o += b
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+    return y, sqrt_rn(n2) * rp
+
+
 def tq_encode(
     x: torch.Tensor, rotation: Rotation, bits: int, scale_mode: str = "nc", search: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,19 +135,18 @@ def tq_encode(
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     if search and scale_mode == "plain":
         raise ValueError("the gain search needs a scale fitted to the indices (nc or unbiased), not plain")
-    x = x.float()
-    n = x.norm(dim=-1)
-    y = rotation.forward(x / n.clamp_min(1e-30).unsqueeze(-1))
+    y, n = tq_rotate(x, rotation)
     idx = tq_search_indices(y, bits) if search else tq_quantize_rotated(y, bits)
     if scale_mode == "plain":
         scale = n
     else:
         cents, _ = tq_codebook(bits, x.shape[-1], x.device)
-        c = cents[idx]
+        c = cents[idx].double()
+        # float64 sums of exact products, rounded once: the kernel's tile order gives the same float32
         if scale_mode == "nc":
-            scale = n / c.norm(dim=-1).clamp_min(1e-30)
+            scale = n / sqrt_rn((c * c).sum(-1).float()).clamp_min(1e-30)
         else:
-            scale = n / (y * c).sum(-1).clamp_min(1e-30)
+            scale = n / (y.double() * c).sum(-1).float().clamp_min(1e-30)
     return pack_bits(idx, bits), _fp16(scale)
 
 

@@ -7,17 +7,20 @@ stores, so the grid depends only on the (padded) token count.
 
 Per side the program holds a tile of BT tokens x head_dim for one KV head.
 
-TurboQuant rotates with the randomized Hadamard transform itself rather than the dense R: the sign
-flip is exact in the input dtype and H has entries +-1, so one tensor-core `tl.dot` per column tile
-of W <= 64 (bf16 or fp16 operands, float32 accumulator) forms exact products summed in float32;
-log2(block / W) butterfly stages across the tiles finish the block, and one multiply by
-1 / (sqrt(block) * ||x||) normalizes. That is the reference's float32 FWHT up to summation order:
-u is never rounded to bf16. float32 inputs are split into three bf16 pieces (24 bits, exact) and
-go through three dots. Quantizing is one table lookup per element (`_tq_lookup`): round(y * CS)
-picks a cell of a small table that holds at most one Lloyd-Max boundary per cell, never near a
-cell edge; the entry gives the number of boundaries below the cell, the cell's own boundary (one
-exact compare with y) and the two centroids, so the index is exactly the reference's bucketize
-count. On the GPU the lookup is inline PTX, so it stays in the MMA layout of the rotated tile.
+TurboQuant rotates with the randomized Hadamard transform itself rather than the dense R, in the
+reference's fixed point (`reference.tq_rotate`): the row is scaled by the power of two of its
+largest |x| and truncated to 21-bit integers, cut into two fp16-exact digits, and one tensor-core
+`tl.dot` per digit and column tile of W <= 64 against the sign-folded +-1 matrix sums exact
+integers (every partial sum below 2^17, so no accumulation order rounds); log2(block / W) int32
+butterfly stages across the tiles finish the block, and y = float32(z) / sqrt(block * ||xi||^2)
+takes the reference's IEEE float32 operations. So y, and with it every index, is the reference's
+bit for bit, on any card and for any input dtype; the scales are float64 sums of exact products
+rounded once, then IEEE float32 square root and division. Quantizing is one table lookup per
+element (`_tq_lookup`): round(y * CS) picks a cell of a small table that holds at most one
+Lloyd-Max boundary per cell, never near a cell edge; the entry gives the number of boundaries
+below the cell, the cell's own boundary (one exact compare with y) and the two centroids, so the
+index is exactly the reference's bucketize count. On the GPU the lookup is inline PTX, so it stays
+in the MMA layout of the rotated tile.
 Indices are packed 8 at a time into one b-byte group (one 1-, 2- or 4-byte store for b = 1, 2,
 4; for odd b, 4 groups make b 32-bit words). Rotations whose Hadamard blocks don't fit the tiles
 (a block of 8, or more than four tiles) use the dense float32 R product instead.
@@ -27,7 +30,8 @@ The gain-search encoder (scale modes `nc+search` / `unbiased+search`, presets tq
 rotated tiles are quantized at gain * y with the same table lookup, <y, c> and ||c||^2 are summed
 in float32, and each row keeps the gain of the largest cosine (first maximum, as the reference's
 argmax); its indices are then formed again and packed, with the mode's scale. Indices match the
-reference except where two gains' cosines agree to float rounding (y's summation order differs).
+reference except where two gains' cosines agree to float rounding (the cosines' summation order
+differs; y itself is the reference's).
 About 50 quantizations per element: many times slower than the plain encoder (docs/benchmarks.md).
 """
 
@@ -41,6 +45,7 @@ import triton
 import triton.language as tl
 
 from tqserve.kvquant.base import ExactFormat
+from tqserve.kvquant.reference import FIX_BIAS, FIX_MIN_EXP
 
 # codec kinds understood by the kernel
 EXACT, TQ, MINMAX, FP8_SCALED, FP8_CAST, TQ_DENSE = 0, 1, 2, 3, 4, 5
@@ -48,6 +53,9 @@ SCALE_MODES = {"plain": 0, "nc": 1, "unbiased": 2}
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
 WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+# `reference.fixed_point`'s constants
+_FIX_BIAS = tl.constexpr(FIX_BIAS)
+_FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
 # TurboQuant table lookups through inline PTX on the GPU (`_tq_lookup`); the interpreter runs no PTX
 _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
@@ -191,17 +199,27 @@ def _tq_tile_out(
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
     D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
 ):  # fmt: skip
-    """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (f, fc = f * CS:
-    [BT, 1] columns); return the elements' terms of ||c||^2 (nc) or <y, c> (unbiased), 0 (plain)."""
-    y = z * f
-    idx, cv = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC)
+    """Quantize and pack the rotated unit-vector coordinates y = float32(z) * f [BT, W] (z: the exact
+    integer Hadamard sums; f, fc = f * CS: [BT, 1] columns); return the elements' float64 terms of
+    the scale's sum (`_tq_scale_terms`)."""
+    zf = z.to(tl.float32)
+    y = zf * f
+    idx, cv = _tq_lookup(y, zf, fc, tab_ptr, NCELL, HALFC)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
+    return _tq_scale_terms(y, cv, SCALE_MODE)
+
+
+@triton.jit
+def _tq_scale_terms(y, cv, SCALE_MODE: tl.constexpr):
+    """The elements' terms of ||c||^2 (nc) or <y, c> (unbiased) as exact float64 products (0: plain),
+    summed in float64 and rounded once, as the reference does: the tile order then does not show."""
     if SCALE_MODE == 0:
-        part = tl.zeros_like(y)
+        part = tl.zeros(y.shape, dtype=tl.float64)
     elif SCALE_MODE == 1:
-        part = cv * cv
+        c64 = cv.to(tl.float64)
+        part = c64 * c64
     else:
-        part = y * cv
+        part = y.to(tl.float64) * cv.to(tl.float64)
     return part
 
 
@@ -231,64 +249,101 @@ def _row_sums2(a, b):
 
 @triton.jit
 def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
-                  BITS: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
+                  BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr,
+                  NCELL: tl.constexpr, HALFC: tl.constexpr,
                   D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):  # fmt: skip
-    """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1])."""
-    idx, _ = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC)
+    """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1]); return the
+    elements' float64 terms of the scale's sum over those indices (`_tq_scale_terms`)."""
+    idx, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
+    return _tq_scale_terms(y, cv, SCALE_MODE)
 
 
 @triton.jit
 def _tq_scale_store(n, acc, sc_ptr, tokp, tok_ok, SCALE_MODE: tl.constexpr):
     """The stored fp16 scale of a TurboQuant row: n (plain), n / ||c|| (nc, acc = ||c||^2) or
-    n / <y, c> (unbiased, acc = <y, c>)."""
+    n / <y, c> (unbiased, acc = <y, c>), acc rounded to float32 first; IEEE square root and division,
+    as torch computes the reference (Triton's `/` and `tl.sqrt` are approximate)."""
+    a = acc.to(tl.float32)
     if SCALE_MODE == 0:
         sc = n
     elif SCALE_MODE == 1:
-        sc = n / tl.maximum(tl.sqrt(acc), 1e-30)
+        sc = tl.math.div_rn(n, tl.maximum(tl.sqrt_rn(a), 1e-30))
     else:
-        sc = n / tl.maximum(acc, 1e-30)
+        sc = tl.math.div_rn(n, tl.maximum(a, 1e-30))
     tl.store(sc_ptr + tokp, tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16), mask=tok_ok)
 
 
 @triton.jit
-def _tq_pick(dot, cc, g, best_cos, best_g, best_dot, best_cc):
+def _tq_pick(dot, cc, g, best_cos, best_g):
     """Keep gain g where its cosine <y, c> / ||c|| beats the best so far (strictly: the first
     maximum wins, as the reference's argmax)."""
     cos = dot / tl.maximum(tl.sqrt(cc), 1e-30)
     up = cos > best_cos
-    return (
-        tl.where(up, cos, best_cos),
-        tl.where(up, g, best_g),
-        tl.where(up, dot, best_dot),
-        tl.where(up, cc, best_cc),
-    )
+    return tl.where(up, cos, best_cos), tl.where(up, g, best_g)
 
 
 @triton.jit
-def _rot_tile(x_ptr, xrow, tok_ok, had_ptr, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
-    """z = x[:, col0:col0 + W] @ (diag(s) H_W) with a float32 accumulator, and the rows' sum of z^2
-    (= W * sum of x^2 there). The sign-folded matrix of this tile sits at had_ptr + col0 * HS."""
+def _unit_factor(n2, B: tl.constexpr):
+    """1 / sqrt(B * n2) with IEEE float32 operations (0 for all-zero rows): y = float32(z) times this
+    is the reference's R x / ||x|| on a Hadamard block of size B (B * n2 is exact, B a power of 2)."""
+    f = tl.math.div_rn(tl.full(n2.shape, 1.0, tl.float32), tl.sqrt_rn(n2 * B))
+    return tl.where(n2 > 0, f, 0.0)
+
+
+@triton.jit
+def _load_tile(x_ptr, xrow, tok_ok, col0, W: tl.constexpr):
+    """x[:, col0:col0 + W] in the input dtype (rows of skipped tokens: 0)."""
     c = col0 + tl.arange(0, W)
+    return tl.load(x_ptr + xrow[:, None] + c[None, :], mask=tok_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _absmax(x):
+    """The rows' largest |x| (exact in the input dtype), float32."""
+    return tl.max(tl.abs(x), 1).to(tl.float32)
+
+
+@triton.jit
+def _fixed_scale(amax):
+    """(p = 2^k, 1 / p) per row from the float32 exponent field e of its largest |x|: k = 147 - e puts
+    |x| * p below 2^21 (`reference.fixed_point`); rows with e < 28 get 0, 0 (all-zero rows)."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    live = e >= _FIX_MIN_EXP
+    p = tl.where(live, ((-e + _FIX_BIAS) << 23).to(tl.float32, bitcast=True), 0.0)
+    rp = tl.where(live, ((e - (_FIX_BIAS - 254)) << 23).to(tl.float32, bitcast=True), 0.0)
+    return p, rp
+
+
+@triton.jit
+def _fixed_point(x, p):
+    """(xi = trunc(x * p) int32, the rows' sum of xi^2): the product is exact wherever it is >= 1 (p a
+    power of two), and the squares (< 2^42) and their sum (< 2^51) are exact in float64."""
+    xi = (x.to(tl.float32) * p[:, None]).to(tl.int32)
+    xf = xi.to(tl.float64)
+    return xi, tl.sum(xf * xf, 1)
+
+
+@triton.jit
+def _rot_tile(xi, had_ptr, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
+    """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (|xi| < 2^21), exact, int32. The sign-
+    folded +-1 matrix of this tile sits at had_ptr + col0 * HS (fp16). xi is cut into two integer
+    digits, lo in [-1024, 1023] and hi (|hi| <= 1024), both exact in fp16; each tensor-core dot sums
+    W <= 64 exact products of at most 2^10 into a float32 accumulator, so every partial sum is an
+    integer below 2^17 and no order or accumulator width can round it."""
     r = tl.arange(0, W)
     hm = tl.load(had_ptr + col0 * HS + r[:, None] * W + r[None, :])
-    x = tl.load(x_ptr + xrow[:, None] + c[None, :], mask=tok_ok[:, None], other=0.0)
+    lo = ((xi + 1024) & 2047) - 1024
+    hi = (xi - lo) >> 11
     if NSPLIT == 0:
-        # the CPU interpreter's bf16 dot is wrong: same exact products and float32 sums there
-        z = tl.dot(x.to(tl.float32), hm.to(tl.float32), input_precision="ieee")
-    elif NSPLIT == 1:
-        z = tl.dot(x, hm)  # +-1 entries: every product is exact in the input dtype
+        # the CPU interpreter: float32 dots of the same integers (exact there too)
+        hf = hm.to(tl.float32)
+        zl = tl.dot(lo.to(tl.float32), hf, input_precision="ieee")
+        zh = tl.dot(hi.to(tl.float32), hf, input_precision="ieee")
     else:
-        # float32 input: hi + mid + lo bf16 pieces hold all 24 bits, each product is exact
-        xf = x.to(tl.float32)
-        hi = xf.to(tl.bfloat16)
-        r1 = xf - hi.to(tl.float32)
-        mid = r1.to(tl.bfloat16)
-        lo = (r1 - mid.to(tl.float32)).to(tl.bfloat16)
-        z = tl.dot(hi, hm)
-        z = tl.dot(mid, hm, z)
-        z = tl.dot(lo, hm, z)
-    return z
+        zl = tl.dot(lo.to(tl.float16), hm)
+        zh = tl.dot(hi.to(tl.float16), hm)
+    return zh.to(tl.int32) * 2048 + zl.to(tl.int32)
 
 
 @triton.jit
@@ -300,40 +355,66 @@ def _tq_side(
     NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
     NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
     O3: tl.constexpr, W3: tl.constexpr,
-    SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
 ):  # fmt: skip
     """TurboQuant side by Hadamard tiles: the first block is G0 tiles of width W (G0 in 1, 2, 4,
     joined by butterflies), then up to NT - G0 more blocks of one tile each (offset Oi, width Wi);
-    SCi = 1 / sqrt(block size). ||x||^2 comes from the tiles: sum over tiles of ||z||^2 / width.
-    Rotated coordinates are y = (butterflied z) * (rn * SCi), quantized by `_tq_lookup`.
+    Bi is block i's size. In the reference's fixed point (`reference.tq_rotate`): the row's tiles
+    are loaded, scaled by the power of two of its largest |x| and truncated to integers xi, whose
+    Hadamard sums z are exact (`_rot_tile`, int32 butterflies); n2 = ||xi||^2 is exact in float64.
+    Rotated coordinates are y = float32(z) * (1 / sqrt(Bi * n2)), quantized by `_tq_lookup`: the
+    same float32 operations as the reference, so the same bits.
 
     SEARCH: the gain-search encoder. For each of the NGAIN gains at gain_ptr (1 first) the rows'
     <y, c> and ||c||^2 of the candidate indices (nearest centroids of gain * y) are summed over the
     tiles; each row keeps the gain of the largest cosine (first maximum wins), and its indices are
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
-    # same-width tiles are summed elementwise before one row reduction (they cross warps)
-    z0 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 0, W, W, NSPLIT)
-    sq = z0 * z0
+    x0 = _load_tile(x_ptr, xrow, tok_ok, 0, W)
+    amax = _absmax(x0)
     if G0 > 1:
-        z1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, W, W, W, NSPLIT)
-        sq += z1 * z1
+        x1 = _load_tile(x_ptr, xrow, tok_ok, W, W)
+        amax = tl.maximum(amax, _absmax(x1))
     if G0 > 2:
-        z2 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 2 * W, W, W, NSPLIT)
-        z3 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, 3 * W, W, W, NSPLIT)
-        sq += z2 * z2 + z3 * z3
-    ss = tl.sum(sq, 1) * (1.0 / W)
+        x2 = _load_tile(x_ptr, xrow, tok_ok, 2 * W, W)
+        x3 = _load_tile(x_ptr, xrow, tok_ok, 3 * W, W)
+        amax = tl.maximum(amax, tl.maximum(_absmax(x2), _absmax(x3)))
     if NT > G0:
-        t1 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O1, W1, W, NSPLIT)
-        ss += tl.sum(t1 * t1, 1) * (1.0 / W1)
+        xt1 = _load_tile(x_ptr, xrow, tok_ok, O1, W1)
+        amax = tl.maximum(amax, _absmax(xt1))
     if NT > G0 + 1:
-        t2 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O2, W2, W, NSPLIT)
-        ss += tl.sum(t2 * t2, 1) * (1.0 / W2)
+        xt2 = _load_tile(x_ptr, xrow, tok_ok, O2, W2)
+        amax = tl.maximum(amax, _absmax(xt2))
     if NT > G0 + 2:
-        t3 = _rot_tile(x_ptr, xrow, tok_ok, had_ptr, O3, W3, W, NSPLIT)
-        ss += tl.sum(t3 * t3, 1) * (1.0 / W3)
-    n = tl.sqrt(ss)
-    rn = 1.0 / tl.maximum(n, 1e-30)
-    # the first block's butterflied tiles za.. (columns 0, W, 2W, 3W); y = za * f0, and so on
+        xt3 = _load_tile(x_ptr, xrow, tok_ok, O3, W3)
+        amax = tl.maximum(amax, _absmax(xt3))
+    p, rp = _fixed_scale(amax)
+    xi, n2 = _fixed_point(x0, p)
+    z0 = _rot_tile(xi, had_ptr, 0, W, W, NSPLIT)
+    if G0 > 1:
+        xi, s1 = _fixed_point(x1, p)
+        n2 += s1
+        z1 = _rot_tile(xi, had_ptr, W, W, W, NSPLIT)
+    if G0 > 2:
+        xi, s2 = _fixed_point(x2, p)
+        z2 = _rot_tile(xi, had_ptr, 2 * W, W, W, NSPLIT)
+        xi, s3 = _fixed_point(x3, p)
+        z3 = _rot_tile(xi, had_ptr, 3 * W, W, W, NSPLIT)
+        n2 += s2 + s3
+    if NT > G0:
+        xi, s4 = _fixed_point(xt1, p)
+        n2 += s4
+        t1 = _rot_tile(xi, had_ptr, O1, W1, W, NSPLIT)
+    if NT > G0 + 1:
+        xi, s5 = _fixed_point(xt2, p)
+        n2 += s5
+        t2 = _rot_tile(xi, had_ptr, O2, W2, W, NSPLIT)
+    if NT > G0 + 2:
+        xi, s6 = _fixed_point(xt3, p)
+        n2 += s6
+        t3 = _rot_tile(xi, had_ptr, O3, W3, W, NSPLIT)
+    n2f = n2.to(tl.float32)
+    n = tl.sqrt_rn(n2f) * rp  # ||x||: sqrt(n2) scaled by a power of two, exactly
+    # the first block's butterflied tiles za.. (columns 0, W, 2W, 3W), integers; y = za * f0, and so on
     if G0 == 1:
         za = z0
     elif G0 == 2:
@@ -349,27 +430,25 @@ def _tq_side(
         zb = b + e
         zc = a - c
         zd = b - e
-    f0 = (rn * SC0)[:, None]
-    f1 = (rn * SC1)[:, None]
-    f2 = (rn * SC2)[:, None]
-    f3 = (rn * SC3)[:, None]
+    f0 = _unit_factor(n2f, B0)[:, None]
+    f1 = _unit_factor(n2f, B1)[:, None]
+    f2 = _unit_factor(n2f, B2)[:, None]
+    f3 = _unit_factor(n2f, B3)[:, None]
     if SEARCH:
-        ya = za * f0
+        ya = za.to(tl.float32) * f0
         if G0 > 1:
-            yb = zb * f0
+            yb = zb.to(tl.float32) * f0
         if G0 > 2:
-            yc = zc * f0
-            yd = zd * f0
+            yc = zc.to(tl.float32) * f0
+            yd = zd.to(tl.float32) * f0
         if NT > G0:
-            yt1 = t1 * f1
+            yt1 = t1.to(tl.float32) * f1
         if NT > G0 + 1:
-            yt2 = t2 * f2
+            yt2 = t2.to(tl.float32) * f2
         if NT > G0 + 2:
-            yt3 = t3 * f3
+            yt3 = t3.to(tl.float32) * f3
         best_cos = tl.full([BT], float("-inf"), tl.float32)
         best_g = tl.full([BT], 1.0, tl.float32)
-        best_dot = tl.zeros([BT], dtype=tl.float32)
-        best_cc = tl.zeros([BT], dtype=tl.float32)
         for gi in range(NGAIN):
             g = tl.load(gain_ptr + gi)
             gs = g * CS
@@ -396,25 +475,53 @@ def _tq_side(
                 d6, c6 = _row_sums2(*_tq_gain_stats(yt3, g, gs, tab_ptr, NCELL, HALFC))
                 dot += d6
                 cc += c6
-            best_cos, best_g, best_dot, best_cc = _tq_pick(dot, cc, g, best_cos, best_g, best_dot, best_cc)
+            best_cos, best_g = _tq_pick(dot, cc, g, best_cos, best_g)
         g = best_g[:, None]
         gs = g * CS
-        _tq_pack_gain(ya, g, gs, 0, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W)
+        acc = tl.sum(
+            _tq_pack_gain(ya, g, gs, 0, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1
+        )
         if G0 > 1:
-            _tq_pack_gain(yb, g, gs, W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W)
+            acc += tl.sum(
+                _tq_pack_gain(
+                    yb, g, gs, W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W
+                ),
+                1,
+            )
         if G0 > 2:
-            _tq_pack_gain(yc, g, gs, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W)
-            _tq_pack_gain(yd, g, gs, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W)
+            acc += tl.sum(
+                _tq_pack_gain(
+                    yc, g, gs, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W
+                ),
+                1,
+            )
+            acc += tl.sum(
+                _tq_pack_gain(
+                    yd, g, gs, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W
+                ),
+                1,
+            )
         if NT > G0:
-            _tq_pack_gain(yt1, g, gs, O1, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W1)
+            acc += tl.sum(
+                _tq_pack_gain(
+                    yt1, g, gs, O1, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1
+                ),
+                1,
+            )
         if NT > G0 + 1:
-            _tq_pack_gain(yt2, g, gs, O2, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W2)
+            acc += tl.sum(
+                _tq_pack_gain(
+                    yt2, g, gs, O2, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2
+                ),
+                1,
+            )
         if NT > G0 + 2:
-            _tq_pack_gain(yt3, g, gs, O3, pay_ptr, tokp, tok_ok, tab_ptr, BITS, GS, NCELL, HALFC, D, BT, W3)
-        if SCALE_MODE == 1:
-            acc = best_cc
-        else:
-            acc = best_dot
+            acc += tl.sum(
+                _tq_pack_gain(
+                    yt3, g, gs, O3, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3
+                ),
+                1,
+            )
     else:
         acc = tl.sum(_tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
                                   BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
@@ -447,14 +554,14 @@ def _store_side(
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
-    SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
 ):  # fmt: skip
     t = t0 + tl.arange(0, BT)
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
         _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
                  BITS, SCALE_MODE, GS, NCELL, HALFC, CS, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
-                 O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+                 O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
     else:
         d = tl.arange(0, DP)
         dmask = d < D
@@ -501,8 +608,6 @@ def _store_side(
             gc = tl.full([BT], 1.0, tl.float32)
             if SEARCH:
                 best_cos = tl.full([BT], float("-inf"), tl.float32)
-                best_dot = tl.zeros([BT], dtype=tl.float32)
-                best_cc = tl.zeros([BT], dtype=tl.float32)
                 for gi in range(NGAIN):
                     g = tl.load(gain_ptr + gi)
                     dot = tl.zeros([BT], dtype=tl.float32)
@@ -517,7 +622,7 @@ def _store_side(
                         jm = (j < D)[None, :]
                         dot += tl.sum(tl.where(jm, y * cv, 0.0), 1)
                         cc += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
-                    best_cos, gc, best_dot, best_cc = _tq_pick(dot, cc, g, best_cos, gc, best_dot, best_cc)
+                    best_cos, gc = _tq_pick(dot, cc, g, best_cos, gc)
             cnorm2 = tl.zeros([BT], dtype=tl.float32)
             ydotc = tl.zeros([BT], dtype=tl.float32)
             for c0 in tl.static_range(0, DP, C):
@@ -548,7 +653,7 @@ def _store_kv_kernel(
     SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
-    SC0: tl.constexpr, SC1: tl.constexpr, SC2: tl.constexpr, SC3: tl.constexpr,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
@@ -560,10 +665,10 @@ def _store_kv_kernel(
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                 had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, SEARCH, NGAIN,
-                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                 had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, SEARCH, NGAIN,
-                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, SC0, SC1, SC2, SC3)  # fmt: skip
+                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
 
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
@@ -602,7 +707,7 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
 
 
 def _tile_plan(blocks: list[int], wmax: int) -> tuple | None:
-    """(W, G0, NT, [(offset, width, 1/sqrt(width))] of the other blocks) for `_tq_side`, or None
+    """(W, G0, NT, [(offset, width)] of the other blocks) for `_tq_side`, or None
     when the Hadamard blocks don't fit it (then the dense R product is used)."""
     first = blocks[0]
     w = min(first, wmax)
@@ -612,7 +717,7 @@ def _tile_plan(blocks: list[int], wmax: int) -> tuple | None:
         return None
     rest, off = [], first
     for b in tail:
-        rest.append((off, b, 1.0 / math.sqrt(b)))
+        rest.append((off, b))
         off += b
     return w, g0, g0 + len(tail), rest
 
@@ -625,7 +730,7 @@ def _tile_matrices(signs: torch.Tensor, tiles: tuple) -> torch.Tensor:
 
     w, g0, _, rest = tiles
     out = torch.zeros(signs.numel() * w)
-    for o, width in [(i * w, w) for i in range(g0)] + [(o, b) for o, b, _ in rest]:
+    for o, width in [(i * w, w) for i in range(g0)] + rest:
         m = signs[o : o + width, None].float() * fwht(torch.eye(width))
         out[o * w : o * w + width * width] = m.flatten()
     return out
@@ -653,7 +758,7 @@ class StorePlan:
         self.search = False
         self.gains: torch.Tensor | None = None
         self.rot = self.tiles = None
-        self.had: dict[torch.dtype, torch.Tensor] = {}
+        self.had: torch.Tensor | None = None  # the rotation tiles' +-1 matrices, fp16
         self.sides = []  # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS))
         if isinstance(fmt, ExactFormat):
             self.sides = [
@@ -682,7 +787,7 @@ class StorePlan:
                 if tiles is not None:
                     self.tiles = tiles
                     m = _tile_matrices(rot.signs, tiles)
-                    self.had = {dt: m.to(device=device, dtype=dt) for dt in (torch.bfloat16, torch.float16)}
+                    self.had = m.to(device=device, dtype=torch.float16)
                     mode = TQ
                 else:
                     self.rot = rot.matrix.to(device=device, dtype=torch.float32).contiguous()
@@ -717,7 +822,7 @@ class StorePlan:
         d = self.head_dim
         if mode == TQ:
             w, _, nt, rest = self.tiles
-            widths = [w] + [b for _, b, _ in rest]
+            widths = [w] + [b for _, b in rest]
         else:
             widths = [triton.next_power_of_2(d) if mode == MINMAX else min(triton.next_power_of_2(d), 64)]
         for gs in (32, 16):
@@ -771,13 +876,11 @@ def store_kv(
         cells.append(table[1:] if table else (1, 0, 1.0))
     if plan.tiles is not None:
         w, g0, nt, rest = plan.tiles
-        rest = rest + [(0, 16, 1.0)] * (3 - len(rest))
-        nsplit = 1 if k.dtype in (torch.bfloat16, torch.float16) else 3
-        if os.environ.get("TRITON_INTERPRET") == "1" and k.dtype != torch.float16:
-            nsplit = 0
-        had = plan.had[torch.float16 if k.dtype == torch.float16 else torch.bfloat16]
+        rest = rest + [(0, 16)] * (3 - len(rest))
+        nsplit = 0 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+        had = plan.had
     else:
-        w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16, 1.0)] * 3, 1, first
+        w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
     grid = (triton.cdiv(T, bt), hkv)
@@ -790,6 +893,6 @@ def store_kv(
         SCALE_MODE=plan.scale_mode, SEARCH=plan.search,
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
-        O3=rest[2][0], W3=rest[2][1], SC0=1.0 / math.sqrt(w * g0), SC1=rest[0][2], SC2=rest[1][2],
-        SC3=rest[2][2], num_warps=warps,
+        O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
+        num_warps=warps,
     )  # fmt: skip
