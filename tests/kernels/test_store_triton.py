@@ -17,7 +17,7 @@ from paged_cases import backend_step_errors
 
 from tqserve.kvquant.packing import unpack_bits
 from tqserve.kvquant.presets import make_layer_format
-from tqserve.kvquant.store_triton import MINMAX, TQ, StorePlan, store_kv
+from tqserve.kvquant.store_triton import MINMAX, TQ, TQ_DENSE, StorePlan, store_kv
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -61,10 +61,10 @@ def _check_search_rows(preset, fmt, want, got, k, v, slots, d):
 
 
 def _assert_tq_pages_identical(plan: StorePlan, want: dict, got: dict, what: str) -> None:
-    """TurboQuant sides on the Hadamard-tile path (the nearest-centroid encoder) write the reference's
-    bytes exactly: indices and fp16 scales (both rotate in the same fixed point, `tq_rotate`)."""
+    """TurboQuant sides (the nearest-centroid encoder, Hadamard tiles or the dense path) write the
+    reference's bytes exactly: indices and fp16 scales (both rotate in the same fixed point, `tq_rotate`)."""
     for mode, _bits, pay, sc, _zr, _tab in plan.sides:
-        if mode != TQ:
+        if mode not in (TQ, TQ_DENSE):
             continue
         for name in (pay, sc):
             a, b = want[name].view(torch.uint8), got[name].view(torch.uint8)
@@ -158,7 +158,7 @@ def test_store_matches_reference(preset, d):
     _compare(preset, 3, d, 21, seed=d + len(preset))
 
 
-def _bit_identical_case(preset: str, d: int, dtype: torch.dtype, t: int, seed: int) -> None:
+def _bit_identical_case(preset: str, d: int, dtype: torch.dtype, t: int, seed: int, wmax: int = 64) -> None:
     """Store kernel vs reference on rows built to stress the fixed point: a wide spread of norms
     (2^-90 .. 2^40), all-zero rows, rows below the 2^-99 floor, one huge coordinate among tiny ones,
     integer-valued rows, float32 / fp16 / bf16 inputs, rows whose rotated coordinates sit on a
@@ -181,8 +181,8 @@ def _bit_identical_case(preset: str, d: int, dtype: torch.dtype, t: int, seed: i
     slots = (torch.randperm((nb - 1) * bs, generator=gen)[:t] + bs).to(DEV)
     want, got = fmt.allocate(nb, bs, DEV), fmt.allocate(nb, bs, DEV)
     fmt.write(want, k, v, slots)
-    plan = StorePlan(fmt, DEV)
-    assert plan.tiles is not None and not plan.search
+    plan = StorePlan(fmt, DEV, wmax=wmax)
+    assert (plan.tiles is not None) == (wmax >= 16) and not plan.search
     store_kv(got, plan, k, v, slots)
     _assert_tq_pages_identical(plan, want, got, f"{preset} d {d} {dtype}")
 
@@ -199,6 +199,19 @@ def _bit_identical_case(preset: str, d: int, dtype: torch.dtype, t: int, seed: i
 )
 def test_store_tq_bit_identical(preset, d, dtype):
     _bit_identical_case(preset, d, dtype, 40, seed=d)
+
+
+@pytest.mark.parametrize("preset,d", [("turboquant_4bit_nc", 72), ("tq_k4v3_ub_s4_w128", 64)])
+def test_store_tq_bit_identical_dense(preset, d):
+    """The dense-rotation path (block of 8, or tiles capped below 16 columns) in the same fixed point."""
+    _bit_identical_case(preset, d, torch.float32, 24, seed=d, wmax=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq_k4v3_ub_s4_w128"])
+@pytest.mark.parametrize("d", [72, 128])
+def test_store_tq_bit_identical_dense_gpu(preset, d):
+    _bit_identical_case(preset, d, torch.bfloat16, 20000, seed=d, wmax=8)
 
 
 @pytest.mark.gpu

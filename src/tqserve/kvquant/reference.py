@@ -7,13 +7,13 @@ TurboQuant MSE (`tq_encode`): n = ||x||, u = x / n, y = R u, idx_j = #{boundarie
 Lloyd-Max N(0,1) boundaries scaled 1/sqrt(d); decode x_hat = scale * R^T c[idx] with c the
 centroids scaled 1/sqrt(d). y is computed in fixed point so that any summation order gives it bit
 for bit (`tq_rotate`): the row is scaled by the power of two that puts its largest |x| below
-2^FIX_BITS and truncated to integers xi (2^-21 of the row's max: far below the codec's error), the
-Hadamard sums of xi and ||xi||^2 are exact integers, and y = z / sqrt(block * ||xi||^2) takes a
-fixed sequence of IEEE float32 operations. The GPU store kernel forms the same integers on tensor
-cores, so both write the same indices, and the same scales up to float64 summation order (sums of
-exact float64 products, then rounded to float32): pages are identical, which is what lets greedy
-output with the Triton backend equal the reference backend's token for token. The stored fp16
-scale depends on the scale mode:
+2^FIX_BITS and rounded to integers xi (half a unit is 2^-12 of the row's max; its error is below
+1e-5 of ||x||^2 unless one coordinate is 20x the row's rms, ~1e-3 of the 4-bit codec's error), the
+Hadamard sums of xi (<= 2^19) and ||xi||^2 (<= 2^30) are exact integers, and y = z / sqrt(block *
+||xi||^2) takes a fixed sequence of IEEE float32 operations. The scales' sums (||c||^2, <y, c>) add
+terms rounded to multiples of 2^-SCALE_QS, exact integers too. The GPU store kernel forms the same
+integers on tensor cores (one fp16 dot: xi and +-1 are exact in fp16), so both write the same bytes.
+The stored fp16 scale depends on the scale mode:
   plain     scale = n                       (MSE-only; shrinks <x, x_hat> by about 1 - D)
   nc        scale = n / ||c[idx]||          (vLLM's norm correction: ||x_hat|| = ||x||)
   unbiased  scale = n / <y, c[idx]>         (tqserve: <x, x_hat> = ||x||^2 exactly, so scores with
@@ -45,12 +45,16 @@ FP8_MAX = 448.0
 FP16_MAX = 65504.0
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_MODES = ("plain", "nc", "unbiased")
-# Fixed point of `tq_rotate`: |xi| < 2^21, so a Hadamard block of up to 512 sums to < 2^30 (int32 in
-# the kernel). FIX_BIAS - e is the float32 exponent field of p = 2^k (k = 147 - e); FIX_MIN_EXP: rows
-# whose max |x| is below 2^-99 count as zero (keeps p a normal float32).
-FIX_BITS = 21
+# Fixed point of `tq_rotate`: |xi| <= 2^11 (exact in fp16), so a 64-column tile sums to <= 2^17 and a
+# Hadamard block of up to 256 to <= 2^19 (exact in float32), ||xi||^2 <= 2^30. FIX_BIAS - e is the
+# float32 exponent field of p = 2^k (k = FIX_BIAS - 127 - e); FIX_MIN_EXP: rows whose max |x| is below
+# 2^-99 count as zero (keeps p a normal float32).
+FIX_BITS = 11
 FIX_BIAS = 127 + FIX_BITS + 126
 FIX_MIN_EXP = 28
+# The scales' sums add round(term * 2^SCALE_QS): each term is below 2^22 there (|c| < 1.4, |y| <= 1.01),
+# so the kernel rounds it with one float32 fma against 1.5 * 2^23, and a sum of <= 256 is an int32.
+SCALE_QS = 21
 # Gains tried by the search encoder: 1 first (ties keep the plain indices), then 0.75..1.35 in 1/80 steps.
 SEARCH_GAINS = (1.0,) + tuple(round(0.75 + i / 80, 6) for i in range(49) if i != 20)
 
@@ -99,22 +103,31 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
 
 
 def fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(xi int64 [..., d], p, 1 / p float32 [...]): xi = trunc(x * p) with p = 2^k the power of two that
-    puts the row's largest |x| below 2^FIX_BITS, found from its float32 exponent field e (k = 147 - e).
+    """(xi int64 [..., d], p, 1 / p float32 [...]): xi = x * p rounded half to even, p = 2^k the power
+    of two that puts the row's largest |x| below 2^FIX_BITS, found from its float32 exponent field e.
     Rows whose max is below 2^-99 (e < 28) get p = 0: all-zero rows, as the kernel forms them. x * p is
-    exact (a power of two) wherever it is >= 1, so truncation sees the same value on every device."""
+    exact (a power of two) wherever it is >= 1/2, so the rounding sees the same value on every device."""
     x = x.float()
     e = (x.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
     live = e >= FIX_MIN_EXP
     p = torch.where(live, ((FIX_BIAS - e) << 23).view(torch.float32), 0.0)
     rp = torch.where(live, ((e - FIX_BIAS + 254) << 23).view(torch.float32), 0.0)
-    return (x * p.unsqueeze(-1)).to(torch.int64), p, rp
+    return torch.round(x * p.unsqueeze(-1)).to(torch.int64), p, rp
+
+
+def fixed_sum(terms: torch.Tensor) -> torch.Tensor:
+    """sum(round(terms * 2^SCALE_QS)) * 2^-SCALE_QS over the last dim, float32: terms are exact float64
+    products of float32 values, rounded half to even once, as the kernel's fma does; the sum is an
+    integer, so its order does not show."""
+    q = torch.round(terms * 2.0**SCALE_QS).sum(-1)
+    return q.float() * 2.0**-SCALE_QS
 
 
 def tq_rotate(x: torch.Tensor, rotation: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
     """(y = R x / ||x|| float32 [..., d], ||x|| float32 [...]) in fixed point (module docstring): the
     Hadamard sums are exact integers, then per block of size b y = float32(z) * (1 / sqrt(b * n2)) and
-    ||x|| = sqrt(n2) / p, each an IEEE float32 operation (n2 = ||xi||^2 rounded to float32 once)."""
+    ||x|| = sqrt(n2) / p, each an IEEE float32 operation (n2 = ||xi||^2, exact in float32 below 2^24
+    and rounded once above)."""
     xi, _, rp = fixed_point(x)
     n2 = (xi * xi).sum(-1).float()
     z = xi * rotation.signs.to(xi.device, torch.int64)
@@ -142,11 +155,10 @@ def tq_encode(
     else:
         cents, _ = tq_codebook(bits, x.shape[-1], x.device)
         c = cents[idx].double()
-        # float64 sums of exact products, rounded once: the kernel's tile order gives the same float32
         if scale_mode == "nc":
-            scale = n / sqrt_rn((c * c).sum(-1).float()).clamp_min(1e-30)
+            scale = n / sqrt_rn(fixed_sum(c * c)).clamp_min(1e-30)
         else:
-            scale = n / (y.double() * c).sum(-1).float().clamp_min(1e-30)
+            scale = n / fixed_sum(y.double() * c).clamp_min(1e-30)
     return pack_bits(idx, bits), _fp16(scale)
 
 

@@ -9,18 +9,18 @@ Per side the program holds a tile of BT tokens x head_dim for one KV head.
 
 TurboQuant rotates with the randomized Hadamard transform itself rather than the dense R, in the
 reference's fixed point (`reference.tq_rotate`): the row is scaled by the power of two of its
-largest |x| and truncated to 21-bit integers, cut into two fp16-exact digits, and one tensor-core
-`tl.dot` per digit and column tile of W <= 64 against the sign-folded +-1 matrix sums exact
-integers (every partial sum below 2^17, so no accumulation order rounds); log2(block / W) int32
-butterfly stages across the tiles finish the block, and y = float32(z) / sqrt(block * ||xi||^2)
-takes the reference's IEEE float32 operations. So y, and with it every index, is the reference's
-bit for bit, on any card and for any input dtype; the scales are float64 sums of exact products
-rounded once, then IEEE float32 square root and division. Quantizing is one table lookup per
-element (`_tq_lookup`): round(y * CS) picks a cell of a small table that holds at most one
-Lloyd-Max boundary per cell, never near a cell edge; the entry gives the number of boundaries
-below the cell, the cell's own boundary (one exact compare with y) and the two centroids, so the
-index is exactly the reference's bucketize count. On the GPU the lookup is inline PTX, so it stays
-in the MMA layout of the rotated tile.
+largest |x| and rounded to integers of at most 2^11 (one fma with 1.5 * 2^23), exact in fp16, and
+one tensor-core `tl.dot` per column tile of W <= 64 against the sign-folded +-1 matrix sums exact
+integers (every partial sum at most 2^17, so no accumulation order rounds); log2(block / W)
+butterfly stages across the tiles finish the block (exact below 2^24), and y = z / sqrt(block *
+||xi||^2) takes the reference's IEEE float32 operations. So y, and with it every index, is the
+reference's bit for bit, on any card and for any input dtype; the scales' sums are int32 sums of
+terms rounded to 2^-21 (`reference.fixed_sum`), then IEEE float32 square root and division.
+Quantizing is one table lookup per element (`_tq_lookup`): round(y * CS) picks a cell of a small
+table that holds at most one Lloyd-Max boundary per cell, never near a cell edge; the entry gives
+the number of boundaries below the cell, the cell's own boundary (one exact compare with y) and
+the two centroids, so the index is exactly the reference's bucketize count. On the GPU the lookup
+is inline PTX, so it stays in the MMA layout of the rotated tile.
 Indices are packed 8 at a time into one b-byte group (one 1-, 2- or 4-byte store for b = 1, 2,
 4; for odd b, 4 groups make b 32-bit words). Rotations whose Hadamard blocks don't fit the tiles
 (a block of 8, or more than four tiles) use the dense float32 R product instead.
@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from tqserve.kvquant.base import ExactFormat
-from tqserve.kvquant.reference import FIX_BIAS, FIX_MIN_EXP
+from tqserve.kvquant.reference import FIX_BIAS, FIX_MIN_EXP, SCALE_QS
 
 # codec kinds understood by the kernel
 EXACT, TQ, MINMAX, FP8_SCALED, FP8_CAST, TQ_DENSE = 0, 1, 2, 3, 4, 5
@@ -56,6 +56,12 @@ WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 # `reference.fixed_point`'s constants
 _FIX_BIAS = tl.constexpr(FIX_BIAS)
 _FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
+_QS = tl.constexpr(2.0**SCALE_QS)
+_RQS = tl.constexpr(2.0**-SCALE_QS)
+# 1.5 * 2^23: adding it rounds a float32 below 2^22 in magnitude to an integer (half to even), which
+# then sits in the low mantissa bits: bits(t) - _RND_BITS is that integer
+_RND = tl.constexpr(12582912.0)
+_RND_BITS = tl.constexpr(0x4B400000)
 # TurboQuant table lookups through inline PTX on the GPU (`_tq_lookup`); the interpreter runs no PTX
 _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
@@ -199,27 +205,26 @@ def _tq_tile_out(
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
     D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
 ):  # fmt: skip
-    """Quantize and pack the rotated unit-vector coordinates y = float32(z) * f [BT, W] (z: the exact
-    integer Hadamard sums; f, fc = f * CS: [BT, 1] columns); return the elements' float64 terms of
-    the scale's sum (`_tq_scale_terms`)."""
-    zf = z.to(tl.float32)
-    y = zf * f
-    idx, cv = _tq_lookup(y, zf, fc, tab_ptr, NCELL, HALFC)
+    """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (z: the exact integer
+    Hadamard sums, float32; f, fc = f * CS: [BT, 1] columns); return the elements' int32 terms of the
+    scale's sum (`_tq_scale_terms`)."""
+    y = z * f
+    idx, cv = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     return _tq_scale_terms(y, cv, SCALE_MODE)
 
 
 @triton.jit
 def _tq_scale_terms(y, cv, SCALE_MODE: tl.constexpr):
-    """The elements' terms of ||c||^2 (nc) or <y, c> (unbiased) as exact float64 products (0: plain),
-    summed in float64 and rounded once, as the reference does: the tile order then does not show."""
+    """The elements' terms of ||c||^2 (nc) or <y, c> (unbiased) as `reference.fixed_sum` rounds them:
+    round(term * 2^SCALE_QS), int32 (0: plain). One fma forms the exact product plus 1.5 * 2^23 and
+    rounds once; int32 sums of the terms are exact, so the tile order does not show."""
     if SCALE_MODE == 0:
-        part = tl.zeros(y.shape, dtype=tl.float64)
-    elif SCALE_MODE == 1:
-        c64 = cv.to(tl.float64)
-        part = c64 * c64
+        part = tl.zeros(y.shape, dtype=tl.int32)
     else:
-        part = y.to(tl.float64) * cv.to(tl.float64)
+        a = cv if SCALE_MODE == 1 else y
+        t = tl.fma(a, cv * _QS, tl.full(y.shape, _RND, tl.float32))
+        part = t.to(tl.int32, bitcast=True) - _RND_BITS
     return part
 
 
@@ -253,18 +258,17 @@ def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
                   NCELL: tl.constexpr, HALFC: tl.constexpr,
                   D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):  # fmt: skip
     """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1]); return the
-    elements' float64 terms of the scale's sum over those indices (`_tq_scale_terms`)."""
+    elements' int32 terms of the scale's sum over those indices (`_tq_scale_terms`)."""
     idx, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     return _tq_scale_terms(y, cv, SCALE_MODE)
 
 
 @triton.jit
-def _tq_scale_store(n, acc, sc_ptr, tokp, tok_ok, SCALE_MODE: tl.constexpr):
-    """The stored fp16 scale of a TurboQuant row: n (plain), n / ||c|| (nc, acc = ||c||^2) or
-    n / <y, c> (unbiased, acc = <y, c>), acc rounded to float32 first; IEEE square root and division,
-    as torch computes the reference (Triton's `/` and `tl.sqrt` are approximate)."""
-    a = acc.to(tl.float32)
+def _tq_scale_store(n, a, sc_ptr, tokp, tok_ok, SCALE_MODE: tl.constexpr):
+    """The stored fp16 scale of a TurboQuant row: n (plain), n / ||c|| (nc, a = ||c||^2) or n / <y, c>
+    (unbiased, a = <y, c>), a float32; IEEE square root and division, as torch computes the reference
+    (Triton's `/` and `tl.sqrt` are approximate)."""
     if SCALE_MODE == 0:
         sc = n
     elif SCALE_MODE == 1:
@@ -289,6 +293,21 @@ def _unit_factor(n2, B: tl.constexpr):
     is the reference's R x / ||x|| on a Hadamard block of size B (B * n2 is exact, B a power of 2)."""
     f = tl.math.div_rn(tl.full(n2.shape, 1.0, tl.float32), tl.sqrt_rn(n2 * B))
     return tl.where(n2 > 0, f, 0.0)
+
+
+@triton.jit
+def _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D: tl.constexpr, C: tl.constexpr):
+    """y [BT, C] of columns c0.. on the dense path: z = xi @ S^T (S at rot_ptr, D x D, +-1 / 0: exact
+    integer sums in float32), then per column j y = z * (1 / sqrt(b_j * n2)) with b_j the size of j's
+    Hadamard block (float32 at rot_ptr + D * D), the reference's IEEE operations."""
+    j = c0 + tl.arange(0, C)
+    jm = j < D
+    st = tl.load(rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & jm[None, :], other=0.0)
+    z = tl.dot(xf, st, input_precision="ieee")
+    b = tl.load(rot_ptr + D * D + j, mask=jm, other=1.0)
+    den = tl.sqrt_rn(n2f[:, None] * b[None, :])
+    f = tl.math.div_rn(tl.full(den.shape, 1.0, tl.float32), den)
+    return z * tl.where(n2f[:, None] > 0, f, 0.0)
 
 
 @triton.jit
@@ -317,33 +336,28 @@ def _fixed_scale(amax):
 
 @triton.jit
 def _fixed_point(x, p):
-    """(xi = trunc(x * p) int32, the rows' sum of xi^2): the product is exact wherever it is >= 1 (p a
-    power of two), and the squares (< 2^42) and their sum (< 2^51) are exact in float64."""
-    xi = (x.to(tl.float32) * p[:, None]).to(tl.int32)
-    xf = xi.to(tl.float64)
-    return xi, tl.sum(xf * xf, 1)
+    """(xi = x * p rounded half to even, as float32, and the rows' int32 sum of xi^2): x * p is exact
+    wherever it matters (p a power of two) and below 2^11, so adding 1.5 * 2^23 rounds it (one fma)
+    and leaves the integer in the low mantissa bits; no conversion instruction on the way."""
+    t = tl.fma(x.to(tl.float32), p[:, None], tl.full(x.shape, _RND, tl.float32))
+    xi = t.to(tl.int32, bitcast=True) - _RND_BITS
+    return t - _RND, tl.sum(xi * xi, 1)
 
 
 @triton.jit
 def _rot_tile(xi, had_ptr, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
-    """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (|xi| < 2^21), exact, int32. The sign-
-    folded +-1 matrix of this tile sits at had_ptr + col0 * HS (fp16). xi is cut into two integer
-    digits, lo in [-1024, 1023] and hi (|hi| <= 1024), both exact in fp16; each tensor-core dot sums
-    W <= 64 exact products of at most 2^10 into a float32 accumulator, so every partial sum is an
-    integer below 2^17 and no order or accumulator width can round it."""
+    """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (float32, |xi| <= 2^11), exact. The sign-
+    folded +-1 matrix of this tile sits at had_ptr + col0 * HS (fp16). xi and +-1 are exact in fp16,
+    and the tensor-core dot sums W <= 64 exact products into a float32 accumulator: every partial sum
+    is an integer of at most 2^17, so no order or accumulator width can round it."""
     r = tl.arange(0, W)
     hm = tl.load(had_ptr + col0 * HS + r[:, None] * W + r[None, :])
-    lo = ((xi + 1024) & 2047) - 1024
-    hi = (xi - lo) >> 11
     if NSPLIT == 0:
-        # the CPU interpreter: float32 dots of the same integers (exact there too)
-        hf = hm.to(tl.float32)
-        zl = tl.dot(lo.to(tl.float32), hf, input_precision="ieee")
-        zh = tl.dot(hi.to(tl.float32), hf, input_precision="ieee")
+        # the CPU interpreter: a float32 dot of the same integers (exact there too)
+        z = tl.dot(xi, hm.to(tl.float32), input_precision="ieee")
     else:
-        zl = tl.dot(lo.to(tl.float16), hm)
-        zh = tl.dot(hi.to(tl.float16), hm)
-    return zh.to(tl.int32) * 2048 + zl.to(tl.int32)
+        z = tl.dot(xi.to(tl.float16), hm)
+    return z
 
 
 @triton.jit
@@ -360,8 +374,8 @@ def _tq_side(
     """TurboQuant side by Hadamard tiles: the first block is G0 tiles of width W (G0 in 1, 2, 4,
     joined by butterflies), then up to NT - G0 more blocks of one tile each (offset Oi, width Wi);
     Bi is block i's size. In the reference's fixed point (`reference.tq_rotate`): the row's tiles
-    are loaded, scaled by the power of two of its largest |x| and truncated to integers xi, whose
-    Hadamard sums z are exact (`_rot_tile`, int32 butterflies); n2 = ||xi||^2 is exact in float64.
+    are loaded, scaled by the power of two of its largest |x| and rounded to integers xi, whose
+    Hadamard sums z are exact (`_rot_tile`, float32 butterflies of integers); n2 = ||xi||^2 (int32).
     Rotated coordinates are y = float32(z) * (1 / sqrt(Bi * n2)), quantized by `_tq_lookup`: the
     same float32 operations as the reference, so the same bits.
 
@@ -412,7 +426,7 @@ def _tq_side(
         xi, s6 = _fixed_point(xt3, p)
         n2 += s6
         t3 = _rot_tile(xi, had_ptr, O3, W3, W, NSPLIT)
-    n2f = n2.to(tl.float32)
+    n2f = n2.to(tl.float32)  # <= 2^30: exact below 2^24, rounded once above, as the reference
     n = tl.sqrt_rn(n2f) * rp  # ||x||: sqrt(n2) scaled by a power of two, exactly
     # the first block's butterflied tiles za.. (columns 0, W, 2W, 3W), integers; y = za * f0, and so on
     if G0 == 1:
@@ -542,7 +556,7 @@ def _tq_side(
         if NT > G0 + 2:
             acc += tl.sum(_tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
                                        BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3), 1)  # fmt: skip
-    _tq_scale_store(n, acc, sc_ptr, tokp, tok_ok, SCALE_MODE)
+    _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
 @triton.jit
@@ -600,9 +614,13 @@ def _store_side(
             tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
             tl.store(zr_ptr + tokp, zero.to(tl.float16), mask=tok_ok)
         else:
-            # dense float32 R (rotations the tiled Hadamard path does not cover), chunks of C columns
-            n = tl.sqrt(tl.sum(x * x, 1))
-            u = x / tl.maximum(n, 1e-30)[:, None]
+            # dense rotation (block sizes the tiled Hadamard path does not cover), chunks of C columns, in
+            # the reference's fixed point: z = xi @ S^T with S the +-1 / 0 matrix R scaled by sqrt(block)
+            amax = tl.max(tl.where(dmask[None, :], tl.abs(x), 0.0), 1)
+            p, rp = _fixed_scale(amax)
+            xf, n2 = _fixed_point(x, p)
+            n2f = n2.to(tl.float32)
+            n = tl.sqrt_rn(n2f) * rp
             # gain search: the rows' gain of the best cosine, y recomputed by chunk for every gain
             # (gain 1 without search); the chunk loop below then packs what that gain gives
             gc = tl.full([BT], 1.0, tl.float32)
@@ -614,31 +632,23 @@ def _store_side(
                     cc = tl.zeros([BT], dtype=tl.float32)
                     for c0 in tl.static_range(0, DP, C):
                         j = c0 + tl.arange(0, C)
-                        rt = tl.load(
-                            rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0
-                        )
-                        y = tl.dot(u, rt, input_precision="ieee")
+                        y = _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D, C)
                         _, cv = _tq_lookup(y * g, y, g * CS, tab_ptr, NCELL, HALFC)
                         jm = (j < D)[None, :]
                         dot += tl.sum(tl.where(jm, y * cv, 0.0), 1)
                         cc += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
                     best_cos, gc = _tq_pick(dot, cc, g, best_cos, gc)
-            cnorm2 = tl.zeros([BT], dtype=tl.float32)
-            ydotc = tl.zeros([BT], dtype=tl.float32)
+            acc = tl.zeros([BT], dtype=tl.int32)
             for c0 in tl.static_range(0, DP, C):
                 j = c0 + tl.arange(0, C)
-                # B[i, j] = R[j, i]: y_row = u_row @ R^T
-                rt = tl.load(rot_ptr + j[None, :] * D + d[:, None], mask=dmask[:, None] & (j[None, :] < D), other=0.0)
-                y = tl.dot(u, rt, input_precision="ieee")
+                y = _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D, C)
                 if SEARCH:
                     idx, cv = _tq_lookup(y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC)
                 else:
                     idx, cv = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC)
-                jm = (j < D)[None, :]
-                cnorm2 += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
-                ydotc += tl.sum(tl.where(jm, y * cv, 0.0), 1)
+                acc += tl.sum(tl.where((j < D)[None, :], _tq_scale_terms(y, cv, SCALE_MODE), 0), 1)
                 _pack_tile(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C, GS)
-            _tq_scale_store(n, cnorm2 if SCALE_MODE == 1 else ydotc, sc_ptr, tokp, tok_ok, SCALE_MODE)
+            _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
 @triton.jit(do_not_specialize=["T"])  # token count: one binary for every step size
@@ -736,6 +746,14 @@ def _tile_matrices(signs: torch.Tensor, tiles: tuple) -> torch.Tensor:
     return out
 
 
+def _dense_signs(rot) -> torch.Tensor:
+    """`_dense_y`'s buffer, flat float32: S = R with row j scaled by sqrt(b_j) (entries +-1 / 0: y = R x is
+    S x / sqrt(b_j) per row), then the D block sizes b_j."""
+    sizes = torch.cat([torch.full((b,), float(b)) for b in rot.blocks])
+    s = (rot.matrix * sizes.sqrt()[:, None]).round()
+    return torch.cat([s.flatten(), sizes]).float().contiguous()
+
+
 class StorePlan:
     """Kernel arguments for one layer's format, built once (codebooks, signs, H moved to the device).
 
@@ -790,7 +808,7 @@ class StorePlan:
                     self.had = m.to(device=device, dtype=torch.float16)
                     mode = TQ
                 else:
-                    self.rot = rot.matrix.to(device=device, dtype=torch.float32).contiguous()
+                    self.rot = _dense_signs(rot).to(device)
                     mode = TQ_DENSE
                 self.sides.append((mode, codec.bits, f"{side}_idx", f"{side}_scale", None, table))
                 modes.add((SCALE_MODES[base], search))
