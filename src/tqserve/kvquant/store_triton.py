@@ -850,16 +850,17 @@ class StorePlan:
 
 
 def _launch_shape(plan: StorePlan) -> tuple[int, int]:
-    """(tokens per program, warps), from the H200 sweeps in docs/benchmarks.md (store): one
-    TurboQuant side with word-packed indices (b = 2, 4) at 32 tokens (4bit_nc 0.062 ms vs 0.067 at
-    16 and 0.065 at 64 x 8 warps), the rest at 64 (tq4 0.104 ms vs 0.121-0.127 at 16 / 32 / 64 x 8 /
-    128 x 8); other presets at 16 (32 and 64 measured no faster). The gain search (~50
+    """(tokens per program, warps), from the sweeps in docs/benchmarks.md (store): one TurboQuant side
+    with word-packed indices (b = 2, 4) at 16 tokens (H100, fixed-point kernel: 4bit_nc 0.0771 ms vs
+    0.1008 at 32, 0.0815 at 32 x 8 warps; the H200 had preferred 32 by 8% with the earlier kernel),
+    the rest at 64 (H100: tq3 0.0883 ms vs 0.1015 at 32 and 0.1045 at 16; H200: tq4 0.104 vs
+    0.121-0.127); other presets at 16 (32 and 64 measured no faster). The gain search (~50
     quantizations per element) at 16 tokens (earlier kernel: tq4s 4.35 ms vs 4.88 at 64)."""
     tq = [g for s, g in zip(plan.sides, plan.group) if s[0] in (TQ, TQ_DENSE)]
     if not tq or plan.search:
         return 16, 4
     if len(tq) == 1 and tq[0] == 0 and plan.tiles is not None:
-        return 32, 4
+        return 16, 4
     return 64, 4
 
 
