@@ -1,7 +1,14 @@
 """GPU engine checks (run on the device): for each invariance configuration of the core tests
 (chunk budgets, batching, prefix-cache hits, preemption), the Triton backend gives the same
 greedy tokens as the torch reference backend, for bf16 pages and TurboQuant presets, with the
-model in bfloat16 (the serving dtype) and in float32 (where attention rounding is smallest)."""
+model in bfloat16 (the serving dtype) and in float32 (where attention rounding is smallest).
+
+What holds on the H100 (docs/benchmarks.md): the float32 model on unquantized pages, every
+configuration. TurboQuant presets and the bfloat16 model do not hold token for token and are
+expected to fail here: the store writes the reference's bytes for the same inputs and the kernels
+agree with the reference to ~1e-6 (test_gpu_backend_agreement.py), but those 1e-6 differences reach
+the next layer's K / V, where a quantization boundary turns them into a different index now and then
+(the bfloat16 model: logit ties). benchmarks/engine_gpu.sh runs the subset that holds by default."""
 
 from __future__ import annotations
 
