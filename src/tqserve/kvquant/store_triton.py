@@ -757,9 +757,13 @@ def _dense_signs(rot) -> torch.Tensor:
 class StorePlan:
     """Kernel arguments for one layer's format, built once (codebooks, signs, H moved to the device).
 
-    `wmax` caps the width of one rotation tile (the benchmark sweeps it)."""
+    `wmax` caps the width of one rotation tile (the benchmark sweeps it). By default 32 where both
+    sides are TurboQuant with the nearest-centroid encoder and 32-column tiles cover the first
+    Hadamard block in at most four (H100, fixed-point kernel: tq3 0.0767 vs 0.0886 ms, tq4 0.1167 vs
+    0.1197, tq_k4v4_ub 0.0838 vs 0.0861), else 64 (4bit_nc 0.1434 vs 0.0773, 3bit_nc 0.1070 vs
+    0.0755 with one TurboQuant side)."""
 
-    def __init__(self, fmt, device: torch.device | str, wmax: int = 64) -> None:
+    def __init__(self, fmt, device: torch.device | str, wmax: int | None = None) -> None:
         from tqserve.kvquant.formats import (
             CodecFormat,
             ExactCodec,
@@ -787,6 +791,10 @@ class StorePlan:
             return
         if not isinstance(fmt, CodecFormat):
             raise NotImplementedError(f"no store kernel for {type(fmt).__name__}")
+        if wmax is None:
+            codecs = (fmt.key_codec, fmt.value_codec)
+            both = all(isinstance(c, TurboQuantCodec) and not getattr(c, "search", False) for c in codecs)
+            wmax = 32 if both and _tile_plan(hadamard_blocks(d), 32) is not None else 64
         modes = set()
         for side, codec in (("k", fmt.key_codec), ("v", fmt.value_codec)):
             if isinstance(codec, TurboQuantCodec):
@@ -851,17 +859,15 @@ class StorePlan:
 
 def _launch_shape(plan: StorePlan) -> tuple[int, int]:
     """(tokens per program, warps), from the sweeps in docs/benchmarks.md (store): one TurboQuant side
-    with word-packed indices (b = 2, 4) at 16 tokens (H100, fixed-point kernel: 4bit_nc 0.0771 ms vs
-    0.1008 at 32, 0.0815 at 32 x 8 warps; the H200 had preferred 32 by 8% with the earlier kernel),
-    the rest at 64 (H100: tq3 0.0883 ms vs 0.1015 at 32 and 0.1045 at 16; H200: tq4 0.104 vs
-    0.121-0.127); other presets at 16 (32 and 64 measured no faster). The gain search (~50
-    quantizations per element) at 16 tokens (earlier kernel: tq4s 4.35 ms vs 4.88 at 64)."""
-    tq = [g for s, g in zip(plan.sides, plan.group) if s[0] in (TQ, TQ_DENSE)]
-    if not tq or plan.search:
-        return 16, 4
-    if len(tq) == 1 and tq[0] == 0 and plan.tiles is not None:
-        return 16, 4
-    return 64, 4
+    at 16 tokens (H100, fixed-point kernel: 4bit_nc 0.0771 ms vs 0.1008 at 32; 3bit_nc 0.0755 vs 0.1040
+    at 64; k3v4_nc 0.0754 vs 0.1110 at 64, 0.0820 at 32 x 8 warps), two at 64 (tq3 0.0887 vs 0.1017 at
+    32 and 0.1046 at 16; tq4 0.1197 vs 0.1261-0.1363; tq_k4v4_ub 0.0861 vs 0.0990-0.1139); other
+    presets at 16 (32 and 64 measured no faster). The gain search (~50 quantizations per element) at
+    16 tokens (earlier kernel: tq4s 4.35 ms vs 4.88 at 64)."""
+    tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
+    if len(tq) == 2 and not plan.search:
+        return 64, 4
+    return 16, 4
 
 
 def store_kv(
