@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             cases.append((label, mod, plan, {}))
             tq = mod.TQ in {s[0] for s in plan.sides}
             if preset in args.sweep.split(",") and label != "old":
-                shapes = [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8)] if tq else [(32, 4), (64, 4)]
+                shapes = [(16, 2), (16, 4), (32, 2), (32, 4), (64, 2), (64, 4), (32, 8), (64, 8), (128, 8)]
+                shapes = shapes if tq else [(32, 4), (64, 4)]
                 for bt, nw in shapes:
                     cases.append((f"{label} bt{bt} w{nw}", mod, plan, {"block_tokens": bt, "num_warps": nw}))
                 if tq and label == "new":  # rotation tiles of 32 columns instead of 64
