@@ -325,8 +325,9 @@ def _absmax(x):
 
 @triton.jit
 def _fixed_scale(amax):
-    """(p = 2^k, 1 / p) per row from the float32 exponent field e of its largest |x|: k = 147 - e puts
-    |x| * p below 2^21 (`reference.fixed_point`); rows with e < 28 get 0, 0 (all-zero rows)."""
+    """(p = 2^k, 1 / p) per row from the float32 exponent field e of its largest |x|: k = FIX_BIAS - 127
+    - e puts |x| * p below 2^FIX_BITS (`reference.fixed_point`); rows with e < FIX_MIN_EXP get 0, 0
+    (all-zero rows)."""
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
     live = e >= _FIX_MIN_EXP
     p = tl.where(live, ((-e + _FIX_BIAS) << 23).to(tl.float32, bitcast=True), 0.0)
