@@ -337,12 +337,12 @@ def _fixed_scale(amax):
 
 @triton.jit
 def _fixed_point(x, p):
-    """(xi = x * p rounded half to even, as float32, and the rows' int32 sum of xi^2): x * p is exact
-    wherever it matters (p a power of two) and below 2^11, so adding 1.5 * 2^23 rounds it (one fma)
-    and leaves the integer in the low mantissa bits; no conversion instruction on the way."""
+    """xi = x * p rounded half to even, as float32 and as int32: x * p is exact wherever it matters
+    (p a power of two) and below 2^11, so adding 1.5 * 2^23 rounds it (one fma) and leaves the integer
+    in the low mantissa bits; no conversion instruction on the way. xi^2 <= 2^22 and a row's sum of
+    them <= 2^30: exact in int32."""
     t = tl.fma(x.to(tl.float32), p[:, None], tl.full(x.shape, _RND, tl.float32))
-    xi = t.to(tl.int32, bitcast=True) - _RND_BITS
-    return t - _RND, tl.sum(xi * xi, 1)
+    return t - _RND, t.to(tl.int32, bitcast=True) - _RND_BITS
 
 
 @triton.jit
@@ -384,15 +384,17 @@ def _tq_side(
     <y, c> and ||c||^2 of the candidate indices (nearest centroids of gain * y) are summed over the
     tiles; each row keeps the gain of the largest cosine (first maximum wins), and its indices are
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
+    # same-width tiles are combined elementwise before one row reduction (reductions cross warps)
     x0 = _load_tile(x_ptr, xrow, tok_ok, 0, W)
-    amax = _absmax(x0)
+    m = tl.abs(x0)
     if G0 > 1:
         x1 = _load_tile(x_ptr, xrow, tok_ok, W, W)
-        amax = tl.maximum(amax, _absmax(x1))
+        m = tl.maximum(m, tl.abs(x1))
     if G0 > 2:
         x2 = _load_tile(x_ptr, xrow, tok_ok, 2 * W, W)
         x3 = _load_tile(x_ptr, xrow, tok_ok, 3 * W, W)
-        amax = tl.maximum(amax, tl.maximum(_absmax(x2), _absmax(x3)))
+        m = tl.maximum(m, tl.maximum(tl.abs(x2), tl.abs(x3)))
+    amax = tl.max(m, 1).to(tl.float32)
     if NT > G0:
         xt1 = _load_tile(x_ptr, xrow, tok_ok, O1, W1)
         amax = tl.maximum(amax, _absmax(xt1))
@@ -403,30 +405,33 @@ def _tq_side(
         xt3 = _load_tile(x_ptr, xrow, tok_ok, O3, W3)
         amax = tl.maximum(amax, _absmax(xt3))
     p, rp = _fixed_scale(amax)
-    xi, n2 = _fixed_point(x0, p)
-    z0 = _rot_tile(xi, had_ptr, 0, W, W, NSPLIT)
+    xf, xi = _fixed_point(x0, p)
+    sq = xi * xi
+    z0 = _rot_tile(xf, had_ptr, 0, W, W, NSPLIT)
     if G0 > 1:
-        xi, s1 = _fixed_point(x1, p)
-        n2 += s1
-        z1 = _rot_tile(xi, had_ptr, W, W, W, NSPLIT)
+        xf, xi = _fixed_point(x1, p)
+        sq += xi * xi
+        z1 = _rot_tile(xf, had_ptr, W, W, W, NSPLIT)
     if G0 > 2:
-        xi, s2 = _fixed_point(x2, p)
-        z2 = _rot_tile(xi, had_ptr, 2 * W, W, W, NSPLIT)
-        xi, s3 = _fixed_point(x3, p)
-        z3 = _rot_tile(xi, had_ptr, 3 * W, W, W, NSPLIT)
-        n2 += s2 + s3
+        xf, xi = _fixed_point(x2, p)
+        sq += xi * xi
+        z2 = _rot_tile(xf, had_ptr, 2 * W, W, W, NSPLIT)
+        xf, xi = _fixed_point(x3, p)
+        sq += xi * xi
+        z3 = _rot_tile(xf, had_ptr, 3 * W, W, W, NSPLIT)
+    n2 = tl.sum(sq, 1)
     if NT > G0:
-        xi, s4 = _fixed_point(xt1, p)
-        n2 += s4
-        t1 = _rot_tile(xi, had_ptr, O1, W1, W, NSPLIT)
+        xf, xi = _fixed_point(xt1, p)
+        n2 += tl.sum(xi * xi, 1)
+        t1 = _rot_tile(xf, had_ptr, O1, W1, W, NSPLIT)
     if NT > G0 + 1:
-        xi, s5 = _fixed_point(xt2, p)
-        n2 += s5
-        t2 = _rot_tile(xi, had_ptr, O2, W2, W, NSPLIT)
+        xf, xi = _fixed_point(xt2, p)
+        n2 += tl.sum(xi * xi, 1)
+        t2 = _rot_tile(xf, had_ptr, O2, W2, W, NSPLIT)
     if NT > G0 + 2:
-        xi, s6 = _fixed_point(xt3, p)
-        n2 += s6
-        t3 = _rot_tile(xi, had_ptr, O3, W3, W, NSPLIT)
+        xf, xi = _fixed_point(xt3, p)
+        n2 += tl.sum(xi * xi, 1)
+        t3 = _rot_tile(xf, had_ptr, O3, W3, W, NSPLIT)
     n2f = n2.to(tl.float32)  # <= 2^30: exact below 2^24, rounded once above, as the reference
     n = tl.sqrt_rn(n2f) * rp  # ||x||: sqrt(n2) scaled by a power of two, exactly
     # the first block's butterflied tiles za.. (columns 0, W, 2W, 3W), integers; y = za * f0, and so on
@@ -493,61 +498,38 @@ def _tq_side(
             best_cos, best_g = _tq_pick(dot, cc, g, best_cos, best_g)
         g = best_g[:, None]
         gs = g * CS
-        acc = tl.sum(
-            _tq_pack_gain(ya, g, gs, 0, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1
-        )
+        part = _tq_pack_gain(ya, g, gs, 0, pay_ptr, tokp, tok_ok, tab_ptr,
+                             BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
         if G0 > 1:
-            acc += tl.sum(
-                _tq_pack_gain(
-                    yb, g, gs, W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W
-                ),
-                1,
-            )
+            part += _tq_pack_gain(yb, g, gs, W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                  BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
         if G0 > 2:
-            acc += tl.sum(
-                _tq_pack_gain(
-                    yc, g, gs, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W
-                ),
-                1,
-            )
-            acc += tl.sum(
-                _tq_pack_gain(
-                    yd, g, gs, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W
-                ),
-                1,
-            )
+            part += _tq_pack_gain(yc, g, gs, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                  BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+            part += _tq_pack_gain(yd, g, gs, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                  BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+        acc = tl.sum(part, 1)
         if NT > G0:
-            acc += tl.sum(
-                _tq_pack_gain(
-                    yt1, g, gs, O1, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1
-                ),
-                1,
-            )
+            acc += tl.sum(_tq_pack_gain(yt1, g, gs, O1, pay_ptr, tokp, tok_ok, tab_ptr,
+                                        BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1), 1)  # fmt: skip
         if NT > G0 + 1:
-            acc += tl.sum(
-                _tq_pack_gain(
-                    yt2, g, gs, O2, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2
-                ),
-                1,
-            )
+            acc += tl.sum(_tq_pack_gain(yt2, g, gs, O2, pay_ptr, tokp, tok_ok, tab_ptr,
+                                        BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2), 1)  # fmt: skip
         if NT > G0 + 2:
-            acc += tl.sum(
-                _tq_pack_gain(
-                    yt3, g, gs, O3, pay_ptr, tokp, tok_ok, tab_ptr, BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3
-                ),
-                1,
-            )
+            acc += tl.sum(_tq_pack_gain(yt3, g, gs, O3, pay_ptr, tokp, tok_ok, tab_ptr,
+                                        BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3), 1)  # fmt: skip
     else:
-        acc = tl.sum(_tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
-                                  BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
+        part = _tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
+                            BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
         if G0 > 1:
-            acc += tl.sum(_tq_tile_out(zb, f0, f0 * CS, W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
+            part += _tq_tile_out(zb, f0, f0 * CS, W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
         if G0 > 2:
-            acc += tl.sum(_tq_tile_out(zc, f0, f0 * CS, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
-            acc += tl.sum(_tq_tile_out(zd, f0, f0 * CS, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W), 1)  # fmt: skip
+            part += _tq_tile_out(zc, f0, f0 * CS, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+            part += _tq_tile_out(zd, f0, f0 * CS, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+        acc = tl.sum(part, 1)
         if NT > G0:
             acc += tl.sum(_tq_tile_out(t1, f1, f1 * CS, O1, pay_ptr, tokp, tok_ok, tab_ptr,
                                        BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1), 1)  # fmt: skip
@@ -619,8 +601,8 @@ def _store_side(
             # the reference's fixed point: z = xi @ S^T with S the +-1 / 0 matrix R scaled by sqrt(block)
             amax = tl.max(tl.where(dmask[None, :], tl.abs(x), 0.0), 1)
             p, rp = _fixed_scale(amax)
-            xf, n2 = _fixed_point(x, p)
-            n2f = n2.to(tl.float32)
+            xf, xi = _fixed_point(x, p)
+            n2f = tl.sum(xi * xi, 1).to(tl.float32)
             n = tl.sqrt_rn(n2f) * rp
             # gain search: the rows' gain of the best cosine, y recomputed by chunk for every gain
             # (gain 1 without search); the chunk loop below then packs what that gain gives
