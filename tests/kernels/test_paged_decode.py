@@ -70,13 +70,20 @@ def test_eligibility(monkeypatch):
 
 
 def test_launch_configs():
-    """The tuned table: 16-row programs at d >= 128 take the wide configuration (2 pipeline stages
-    only when the requests fill the SMs), d = 64 decode and verify rows one warp (verify of
-    exact-copy layouts at d >= 128 without pipelining)."""
+    """The tuned table: 16-row programs at d = 128 one warp over 64-key tiles without exact copies;
+    with them the wide configuration when the requests fill the SMs, else one warp over 32-key tiles
+    (no pipelining); d = 256 always wide (2 stages only when the requests fill the SMs); d = 64
+    decode and verify rows one warp (verify of exact-copy layouts at d >= 128 without pipelining)."""
     pd = paged_decode
+    packed = (pd.PACKED_NUM_WARPS, pd.PACKED_BLOCK_N, pd.PACKED_SPLIT_TARGET, pd.PACKED_STAGES)
+    assert pd.launch_config(16, 128, False, 256, 132) == packed
+    assert pd.launch_config(16, 128, False, 8, 132) == packed
     wide = (pd.NUM_WARPS, pd.BLOCK_N, pd.SPLIT_TARGET)
-    assert pd.launch_config(16, 128, False, 256, 132) == (*wide, pd.NUM_STAGES)
-    assert pd.launch_config(16, 128, True, 8, 132) == (*wide, pd.FEW_PROGRAMS_STAGES)
+    assert pd.launch_config(16, 128, True, 256, 132) == (*wide, pd.NUM_STAGES)
+    assert pd.launch_config(16, 256, False, 256, 132) == (*wide, pd.NUM_STAGES)
+    assert pd.launch_config(16, 256, True, 8, 132) == (*wide, pd.FEW_PROGRAMS_STAGES)
+    few = (pd.FEW_NUM_WARPS, pd.FEW_BLOCK_N, pd.FEW_SPLIT_TARGET, pd.FEW_STAGES)
+    assert pd.launch_config(16, 128, True, 8, 132) == few
     assert pd.launch_config(16, 64) == (pd.SMALL_NUM_WARPS, pd.SMALL_BLOCK_N, pd.SMALL_SPLIT_TARGET, pd.SMALL_STAGES)
     one = (pd.SMALL_NUM_WARPS, pd.SMALL_BLOCK_N)
     assert pd.launch_config(32, 128, False) == (*one, pd.VERIFY_SPLIT_TARGET, pd.VERIFY_STAGES)

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tqserve.attention.rotate import rotate_rows
 from tqserve.attention.tuning import MAX_SPLITS, group_pad, pick_config, pick_splits
 
 DENSE, CODEBOOK, MINMAX = 0, 1, 2
@@ -738,8 +739,8 @@ def paged_attention(
     # float32 operands and IEEE dots; bf16 / fp16 models fp16 / bf16 operands on tensor cores.
     model_f32 = qx.dtype == torch.float32
     if layout.key_mode == CODEBOOK:
-        # y = R x for row vectors is x @ R^T; one small GEMM for all heads of the step.
-        q = (q.float() @ layout.key_rotation.T).view(T, hq, d)
+        # y = R x for row vectors (x @ R^T): one launch for all heads of the step (attention/rotate.py)
+        q = rotate_rows(q, layout.key_rotation)
     npart = 2 if (layout.rotated_values and (layout.sink or layout.window)) else 1
     rotated = layout.rotated_values
     if out is None:

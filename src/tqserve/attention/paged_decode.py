@@ -44,6 +44,7 @@ from tqserve.attention.paged import (
     centroid_tables,
     finish_parts,
 )
+from tqserve.attention.rotate import rotate_rows
 from tqserve.attention.tuning import MAX_SPLITS, group_pad
 
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
@@ -53,20 +54,34 @@ MIN_HEAD_DIM = 64  # smallest head size dispatched here
 LOOKUP = "shfl"
 # Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants;
 # docs/benchmarks.md, "Launch table"):
-# - decode at d >= 128 (16-row programs): 4 warps over 128-key tiles, split-K for ~4 programs / SM,
-#   2 pipeline stages when the requests alone give every SM a program (32 x 32K: -10%), else 1 (one
-#   request over 128K: 2 stages were 27% slower for 4-bit keys);
+# - decode at d = 128 (16-row programs) without exact copies: one warp over 64-key tiles, split-K
+#   for ~12 programs / SM, 3 pipeline stages (eighth session: 4bit_nc 32 x 32K 0.810 -> 0.732 ms,
+#   1 x 128K 0.136 -> 0.122; tq_k4v4_ub 0.743 -> 0.732 / 0.140 -> 0.129; 8 or 16 programs / SM
+#   were 23% / 8% slower at 32 x 32K, 128-key tiles with one warp 35-70% slower);
+# - decode at d = 128 of exact-copy layouts (tq3: the exact pass's [16, d] query and accumulator),
+#   and every decode at d = 256 (one warp would hold [16, 256] accumulators): 4 warps over 128-key
+#   tiles, split-K for ~4 programs / SM, 2 pipeline stages when the requests alone give every SM a
+#   program (32 x 32K: -10%), else 1 (d = 256), or at d = 128 one warp over 32-key tiles for ~16
+#   programs / SM (tq3, one request over 128K: 0.198 -> 0.155 ms);
 # - decode at d < 128: one warp over 32-key tiles, ~16 programs / SM, 2 stages (-15% at SmolLM2's
 #   64 x 4K, d = 64);
 # - verify rows (32 per program): one warp over 32-key tiles, ~6 (d < 128) or ~12 programs / SM,
 #   2 stages except for exact-copy layouts at d >= 128 (tq3: +17% with 2, register-bound).
 #   One warp means no cross-warp softmax reductions (no barriers in the key loop) and no operand
 #   decoded twice: with 32 rows, 4 warps tile the dots 2 x 2 and decode every word twice.
-BLOCK_N = 128
+PACKED_BLOCK_N = 64  # decode at d = 128 without exact copies
+PACKED_NUM_WARPS = 1
+PACKED_SPLIT_TARGET = 12
+PACKED_STAGES = 3
+BLOCK_N = 128  # decode at d = 128 with exact copies, and at d >= 256
 NUM_WARPS = 4
 SPLIT_TARGET = 4  # programs per SM the split-K count aims at
 NUM_STAGES = 2
-FEW_PROGRAMS_STAGES = 1  # decode at d >= 128 with fewer (request, KV head) programs than SMs
+FEW_PROGRAMS_STAGES = 1  # ... at d >= 256 with fewer (request, KV head) programs than SMs
+FEW_BLOCK_N = 32  # d = 128 with exact copies and fewer (request, KV head) programs than SMs
+FEW_NUM_WARPS = 1
+FEW_SPLIT_TARGET = 16
+FEW_STAGES = 1
 SMALL_BLOCK_N = 32
 SMALL_NUM_WARPS = 1
 SMALL_SPLIT_TARGET = 16
@@ -687,6 +702,10 @@ def launch_config(
     """(warps, key tile, programs per SM for split-K, pipeline stages) for programs of `rows` rows;
     `exact`: the layout keeps sink / window copies; `programs`: (request, KV head, query block)
     programs before split-K. A table measured on the card, no run-time autotuning."""
+    if rows <= 16 and head_dim == 128 and not exact:
+        return PACKED_NUM_WARPS, PACKED_BLOCK_N, PACKED_SPLIT_TARGET, PACKED_STAGES
+    if rows <= 16 and head_dim == 128 and programs < sms:
+        return FEW_NUM_WARPS, FEW_BLOCK_N, FEW_SPLIT_TARGET, FEW_STAGES
     if rows <= 16 and head_dim >= 128:
         return NUM_WARPS, BLOCK_N, SPLIT_TARGET, NUM_STAGES if programs >= sms else FEW_PROGRAMS_STAGES
     if rows <= 16:
@@ -733,7 +752,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
 
     qx = q
     model_f32 = qx.dtype == torch.float32
-    q = (q.float() @ layout.key_rotation.T).view(T, hq, d)  # y = R x for row vectors
+    q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
     exact = bool(layout.sink or layout.window)
     rotated = layout.rotated_values
     npart = 2 if exact else 1  # exact values accumulate beside the sliced page accumulators

@@ -54,6 +54,7 @@ from tqserve.attention.paged import (
     centroid_tables,
     finish_parts,
 )
+from tqserve.attention.rotate import rotate_rows
 from tqserve.attention.tuning import group_pad, pick_splits
 
 LAST_LAUNCH: dict = {}  # the last compiled extend kernel (benchmarks read registers / spills)
@@ -605,7 +606,7 @@ def extend_attention(
     model_f32 = q.dtype == torch.float32
     dot_f32 = _interpreting() or model_f32
     if layout.key_mode == CODEBOOK:
-        q = (q.float() @ layout.key_rotation.T).view(T, hq, d)  # y = R x for row vectors
+        q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
     if dot_f32:
         kt = torch.float32
     elif layout.key_mode == CODEBOOK or kp.element_size() == 1:

@@ -1,0 +1,67 @@
+"""Query rotation for codebook keys: y = R x for every row of a step's queries, in float32.
+
+TurboQuant keys are stored rotated, so the kernels score q against them as R q (one rotation per
+query row, not one inverse rotation per key). For a decode step that is a [T * Hq, d] x [d, d]
+float32 product of a few dozen rows, which cuBLAS serves with a split-K SIMT GEMM, a split-K
+reduce and a separate bf16 -> float32 cast: three launches, ~14 us on an H100 at one request x
+128K, a tenth of that step's attention (docs/benchmarks.md). `rotate_rows` is one launch that
+reads the model's dtype directly; float32 FMA dots (IEEE), so float32 models keep full precision.
+`rotate_rows_reference` is the torch expression it replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# 16 rows x 32 output columns per program: a decode step's few rows still spread over programs, and
+# the float32 FMA dot stays in registers (64-row blocks spilled ~3,700 local-memory instructions in an
+# offline sm_90 compile, triton 3.6)
+BLOCK_ROWS = 16
+BLOCK_COLS = 32
+
+
+def rotate_rows_reference(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """x [..., d] (any float dtype) -> (R x) for each row, float32, same shape."""
+    return (x.float() @ rot.T).view(x.shape)
+
+
+@triton.jit
+def _rotate_kernel(
+    x_ptr, r_ptr, y_ptr, M, stride_xt,
+    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """y[m, c] = sum_k x[m, k] * R[c, k] for rows m of this block and columns c of this one; row m
+    is head m % H of token m // H (x [T, H, D], heads and dims packed, tokens strided)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    k = tl.arange(0, DP)
+    xrow = (m // H).to(tl.int64) * stride_xt + (m % H) * D
+    x = tl.load(x_ptr + xrow[:, None] + k[None, :], mask=(m < M)[:, None] & (k < D)[None, :])
+    r = tl.load(r_ptr + c[None, :] * D + k[:, None], mask=(c < D)[None, :] & (k < D)[:, None], other=0.0)
+    y = tl.dot(x.to(tl.float32), r, input_precision="ieee")
+    tl.store(y_ptr + m[:, None].to(tl.int64) * D + c[None, :], y, mask=(m < M)[:, None] & (c < D)[None, :])
+
+
+def rotate_rows(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """`rotate_rows_reference` in one launch: x [T, H, d] or [T, d] (any float dtype; a strided token
+    dim is read in place, heads and dims must be packed), rot R [d, d] float32 contiguous; returns
+    float32 of x's shape, contiguous."""
+    d = x.shape[-1]
+    if rot.shape != (d, d) or rot.dtype != torch.float32 or not rot.is_contiguous():
+        raise ValueError(f"rot must be a contiguous float32 [{d}, {d}] matrix, got {tuple(rot.shape)} {rot.dtype}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [tokens, heads, d] or [tokens, d], got {tuple(x.shape)}")
+    heads = x.shape[1] if x.dim() == 3 else 1
+    if x.stride(-1) != 1 or (x.dim() == 3 and x.stride(1) != d):
+        x = x.contiguous()
+    m = x.shape[0] * heads
+    y = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    if m == 0:
+        return y
+    dp = max(16, triton.next_power_of_2(d))
+    bc = min(BLOCK_COLS, dp)
+    grid = (triton.cdiv(m, BLOCK_ROWS), triton.cdiv(d, bc))
+    _rotate_kernel[grid](x, rot, y, m, x.stride(0), H=heads, D=d, DP=dp, BM=BLOCK_ROWS, BC=bc, num_warps=4)
+    return y
