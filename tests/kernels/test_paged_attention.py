@@ -172,8 +172,15 @@ EXTEND_MIXED = ([150, 0, 37, 300], [40, 33, 1, 5])
 def _extend_cfg(small: bool):
     from tqserve.attention import paged_extend
 
-    # small: 16 rows x 16 keys, so tiny shapes still run many query blocks and key tiles
-    return paged_extend.ExtendConfig(16, 16, 4) if small else None
+    # small: 16 rows x 16 keys (32 on the GPU), so tiny shapes still run many query blocks and key tiles
+    return paged_extend.ExtendConfig(16, _small_keys(), 4) if small else None
+
+
+def _small_keys() -> int:
+    """Smallest extend key tile: 16 under the interpreter, `paged_extend.MIN_GPU_BLOCK_N` on the GPU."""
+    from tqserve.attention import paged_extend
+
+    return 16 if os.environ.get("TRITON_INTERPRET") == "1" else paged_extend.MIN_GPU_BLOCK_N
 
 
 def _with_extend_cfg(cfg, fn):
@@ -220,7 +227,7 @@ def test_extend_lazy_rescale_matches_reference(preset):
     running max keeps growing by more than the threshold from tile to tile."""
     from tqserve.attention import paged_extend
 
-    cfg = paged_extend.ExtendConfig(16, 16, 4, lazy=True)
+    cfg = paged_extend.ExtendConfig(16, _small_keys(), 4, lazy=True)
     _with_extend_cfg(cfg, lambda: _check_one_step(preset, 4, 1, 64, [140, 30], [37, 20], seed=9, pad=1, q_scale=8.0))
 
 
@@ -229,7 +236,7 @@ def test_extend_no_prefetch_matches_reference(preset):
     """The bulk loop without register double buffering (ExtendConfig.prefetch=False)."""
     from tqserve.attention import paged_extend
 
-    cfg = paged_extend.ExtendConfig(16, 16, 4, prefetch=False)
+    cfg = paged_extend.ExtendConfig(16, _small_keys(), 4, prefetch=False)
     _with_extend_cfg(cfg, lambda: _check_one_step(preset, 8, 2, 64, [130, 17], [40, 25], seed=13, pad=2))
 
 

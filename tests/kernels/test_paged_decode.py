@@ -73,7 +73,8 @@ def test_launch_configs():
     """The tuned table: 16-row programs at d = 128 one warp over 64-key tiles without exact copies;
     with them the wide configuration when the requests fill the SMs, else one warp over 32-key tiles
     (no pipelining); d = 256 always wide (2 stages only when the requests fill the SMs); d = 64
-    decode and verify rows one warp (verify of exact-copy layouts at d >= 128 without pipelining)."""
+    decode and verify rows one warp (verify at d >= 128 with 3 stages, of exact-copy layouts there
+    without pipelining)."""
     pd = paged_decode
     packed = (pd.PACKED_NUM_WARPS, pd.PACKED_BLOCK_N, pd.PACKED_SPLIT_TARGET, pd.PACKED_STAGES)
     assert pd.launch_config(16, 128, False, 256, 132) == packed
@@ -86,7 +87,7 @@ def test_launch_configs():
     assert pd.launch_config(16, 128, True, 8, 132) == few
     assert pd.launch_config(16, 64) == (pd.SMALL_NUM_WARPS, pd.SMALL_BLOCK_N, pd.SMALL_SPLIT_TARGET, pd.SMALL_STAGES)
     one = (pd.SMALL_NUM_WARPS, pd.SMALL_BLOCK_N)
-    assert pd.launch_config(32, 128, False) == (*one, pd.VERIFY_SPLIT_TARGET, pd.VERIFY_STAGES)
+    assert pd.launch_config(32, 128, False) == (*one, pd.VERIFY_SPLIT_TARGET, pd.VERIFY_WIDE_STAGES)
     assert pd.launch_config(32, 128, True) == (*one, pd.VERIFY_SPLIT_TARGET, pd.VERIFY_EXACT_WIDE_STAGES)
     assert pd.launch_config(32, 64, True) == (*one, pd.VERIFY_SMALL_D_SPLIT_TARGET, pd.VERIFY_STAGES)
     assert paged_decode.program_rows(1, 4) == 16 and paged_decode.program_rows(5, 4) == 32

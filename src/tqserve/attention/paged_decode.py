@@ -65,8 +65,10 @@ LOOKUP = "shfl"
 #   programs / SM (tq3, one request over 128K: 0.198 -> 0.155 ms);
 # - decode at d < 128: one warp over 32-key tiles, ~16 programs / SM, 2 stages (-15% at SmolLM2's
 #   64 x 4K, d = 64);
-# - verify rows (32 per program): one warp over 32-key tiles, ~6 (d < 128) or ~12 programs / SM,
-#   2 stages except for exact-copy layouts at d >= 128 (tq3: +17% with 2, register-bound).
+# - verify rows (32 per program): one warp over 32-key tiles, ~6 (d < 128) or ~20 programs / SM
+#   (d >= 128; eighth session, 32 x 5 x 32K: 4bit_nc 1.115 -> 1.055 ms with 3 stages, tq_k4v4_ub
+#   1.079 -> 1.031; 24 programs / SM 5% slower than 12), 2 stages at d < 128, 3 at d >= 128, 1 for
+#   exact-copy layouts at d >= 128 (tq3: +17% with 2, register-bound).
 #   One warp means no cross-warp softmax reductions (no barriers in the key loop) and no operand
 #   decoded twice: with 32 rows, 4 warps tile the dots 2 x 2 and decode every word twice.
 PACKED_BLOCK_N = 64  # decode at d = 128 without exact copies
@@ -86,9 +88,10 @@ SMALL_BLOCK_N = 32
 SMALL_NUM_WARPS = 1
 SMALL_SPLIT_TARGET = 16
 SMALL_STAGES = 2
-VERIFY_SPLIT_TARGET = 12
+VERIFY_SPLIT_TARGET = 20
 VERIFY_SMALL_D_SPLIT_TARGET = 6
-VERIFY_STAGES = 2
+VERIFY_STAGES = 2  # d < 128
+VERIFY_WIDE_STAGES = 3  # d >= 128 without exact copies
 VERIFY_EXACT_WIDE_STAGES = 1
 # The exact sink / window pass of programs with at least EXACT_PHASED_ROWS rows runs in two phases
 # (softmax statistics before the packed loop, exact values after it in EXACT_CHUNKS column chunks):
@@ -711,7 +714,10 @@ def launch_config(
     if rows <= 16:
         return SMALL_NUM_WARPS, SMALL_BLOCK_N, SMALL_SPLIT_TARGET, SMALL_STAGES
     target = VERIFY_SPLIT_TARGET if head_dim >= 128 else VERIFY_SMALL_D_SPLIT_TARGET
-    stages = VERIFY_EXACT_WIDE_STAGES if exact and head_dim >= 128 else VERIFY_STAGES
+    if head_dim >= 128:
+        stages = VERIFY_EXACT_WIDE_STAGES if exact else VERIFY_WIDE_STAGES
+    else:
+        stages = VERIFY_STAGES
     return SMALL_NUM_WARPS, SMALL_BLOCK_N, target, stages
 
 

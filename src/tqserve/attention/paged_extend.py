@@ -72,6 +72,11 @@ class ExtendConfig:
 
 # Benchmarks may pin a configuration to compare variants.
 OVERRIDE: dict[str, ExtendConfig] = {}
+# Smallest key tile compiled for the GPU: with 16-key tiles, triton 3.6 on sm_90 computes wrong
+# results for 3- and 5-bit keys at d = 64 (H100, 2026-11-26: relative error 0.1-1.4 against the
+# reference for 1, 2, 4 or 8 warps and 16 or 32 rows; 32-key tiles exact). The tuned table never
+# picks them; the interpreter (CI's tiny shapes) still runs them.
+MIN_GPU_BLOCK_N = 32
 
 
 def extend_config(group: int, head_dim: int, exact: bool) -> ExtendConfig:
@@ -593,6 +598,8 @@ def extend_attention(
     if layout.window and ring is None or layout.sink and sinks is None:
         raise ValueError("layout keeps exact copies but no ring / sink buffers were given")
     cfg = extend_config(group, d, exact)
+    if cfg.block_n < MIN_GPU_BLOCK_N and not _interpreting():
+        raise ValueError(f"extend key tiles of {cfg.block_n} keys are not supported on the GPU (>= {MIN_GPU_BLOCK_N})")
     block_q = max(1, cfg.rows // gp)
     n_qblocks = triton.cdiv(max(1, meta.max_query_len), block_q)
     splits = num_splits or pick_splits(meta.num_reqs, hkv, n_qblocks, meta.max_seq_len, cfg.block_n, _num_sms(dev))
