@@ -108,6 +108,9 @@ FOLD_EXACT_MASK = 1
 # `shfl_slices_b8` (no byte -> 16-bit unpacking). 64 (> MAX_ROWS) turns it off.
 BYTE_VALUES_ROWS = 32
 BYTE_VALUES_MIN_D = 128
+# Register cap per thread for the decode kernel (0: the compiler's choice, 255 for one-warp programs);
+# benchmarks sweep it. H200, eighth session: 200 was 3-17% slower, 168 17-32% (spills in the key loop).
+MAXNREG = 0
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
@@ -806,6 +809,6 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", BLOCK_X=16,
         X_PHASED=phased, XH=EXACT_CHUNKS if phased else 1, FOLD_MASK=bool(FOLD_EXACT_MASK),
         VAL_TRANS=byte_vals, VB8=vb8,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **({"maxnreg": MAXNREG} if MAXNREG and not _interpreting() else {}),
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
