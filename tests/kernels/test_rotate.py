@@ -1,11 +1,12 @@
-"""`attention.rotate.rotate_rows` (the query rotation of codebook keys) against its torch reference."""
+"""`attention.rotate` (the query rotation of codebook keys): the Triton kernel against its torch
+reference (on the GPU, and under the interpreter on tiny shapes), and the device dispatch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tqserve.attention.rotate import rotate_rows, rotate_rows_reference
+from tqserve.attention.rotate import rotate_rows, rotate_rows_kernel, rotate_rows_reference
 from tqserve.kvquant.rotation import Rotation
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,21 +25,23 @@ def test_rotate_rows_matches_reference(d, dtype, tokens, heads):
     qkv = torch.randn(tokens, heads + 2, d, generator=gen).to(DEV, dtype)
     x = qkv[:, :heads]
     rot = _rot(d)
-    got = rotate_rows(x, rot)
+    got = rotate_rows_kernel(x, rot)
     want = rotate_rows_reference(x, rot)
     assert got.dtype == torch.float32 and got.shape == x.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotate_rows(x, rot), want, rtol=1e-5, atol=1e-5)
 
 
 def test_rotate_rows_many_rows_and_empty():
     rot = _rot(64)
     x = torch.randn(4200, 64, device=DEV)  # a long extend's rows: many row blocks
-    torch.testing.assert_close(rotate_rows(x, rot), rotate_rows_reference(x, rot), rtol=1e-5, atol=1e-5)
-    assert rotate_rows(x[:0], rot).shape == (0, 64)
+    torch.testing.assert_close(rotate_rows_kernel(x, rot), rotate_rows_reference(x, rot), rtol=1e-5, atol=1e-5)
+    assert rotate_rows_kernel(x[:0], rot).shape == (0, 64)
 
 
-def test_rotate_rows_rejects_bad_rotation():
+@pytest.mark.parametrize("fn", [rotate_rows, rotate_rows_kernel])
+def test_rotate_rows_rejects_bad_rotation(fn):
     with pytest.raises(ValueError, match="rot"):
-        rotate_rows(torch.randn(2, 64, device=DEV), torch.randn(64, 64, device=DEV).half())
+        fn(torch.randn(2, 64, device=DEV), torch.randn(64, 64, device=DEV).half())
     with pytest.raises(ValueError, match="x must be"):
-        rotate_rows(torch.randn(2, 2, 2, 64, device=DEV), _rot(64))
+        fn(torch.randn(2, 2, 2, 64, device=DEV), _rot(64))

@@ -6,7 +6,9 @@ float32 product of a few dozen rows, which cuBLAS serves with a split-K SIMT GEM
 reduce and a separate bf16 -> float32 cast: three launches, ~14 us on an H100 at one request x
 128K, a tenth of that step's attention (docs/benchmarks.md). `rotate_rows` is one launch that
 reads the model's dtype directly; float32 FMA dots (IEEE), so float32 models keep full precision.
-`rotate_rows_reference` is the torch expression it replaces.
+`rotate_rows_reference` is the torch expression it replaces, and what CPU tensors take (under the
+interpreter a launch of many small programs costs seconds per engine step); `rotate_rows_kernel`
+runs the kernel on any device (the tests compare the two there).
 """
 
 from __future__ import annotations
@@ -45,14 +47,28 @@ def _rotate_kernel(
 
 
 def rotate_rows(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """`rotate_rows_reference` in one launch: x [T, H, d] or [T, d] (any float dtype; a strided token
-    dim is read in place, heads and dims must be packed), rot R [d, d] float32 contiguous; returns
-    float32 of x's shape, contiguous."""
+    """R x for every row of x [T, H, d] or [T, d] (any float dtype), float32 of x's shape: the Triton
+    kernel on CUDA tensors, the torch reference on others."""
+    if x.device.type != "cuda":
+        _check(x, rot)
+        return rotate_rows_reference(x, rot).contiguous()
+    return rotate_rows_kernel(x, rot)
+
+
+def _check(x: torch.Tensor, rot: torch.Tensor) -> None:
     d = x.shape[-1]
     if rot.shape != (d, d) or rot.dtype != torch.float32 or not rot.is_contiguous():
         raise ValueError(f"rot must be a contiguous float32 [{d}, {d}] matrix, got {tuple(rot.shape)} {rot.dtype}")
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [tokens, heads, d] or [tokens, d], got {tuple(x.shape)}")
+
+
+def rotate_rows_kernel(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """`rotate_rows_reference` in one launch: x [T, H, d] or [T, d] (any float dtype; a strided token
+    dim is read in place, heads and dims must be packed), rot R [d, d] float32 contiguous; returns
+    float32 of x's shape, contiguous."""
+    _check(x, rot)
+    d = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
     if x.stride(-1) != 1 or (x.dim() == 3 and x.stride(1) != d):
         x = x.contiguous()
