@@ -40,7 +40,7 @@ def _rotate_kernel(
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     k = tl.arange(0, DP)
     xrow = (m // H).to(tl.int64) * stride_xt + (m % H) * D
-    x = tl.load(x_ptr + xrow[:, None] + k[None, :], mask=(m < M)[:, None] & (k < D)[None, :])
+    x = tl.load(x_ptr + xrow[:, None] + k[None, :], mask=(m < M)[:, None] & (k < D)[None, :], other=0.0)
     r = tl.load(r_ptr + c[None, :] * D + k[:, None], mask=(c < D)[None, :] & (k < D)[:, None], other=0.0)
     y = tl.dot(x.to(tl.float32), r, input_precision="ieee")
     tl.store(y_ptr + m[:, None].to(tl.int64) * D + c[None, :], y, mask=(m < M)[:, None] & (c < D)[None, :])
