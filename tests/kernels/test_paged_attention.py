@@ -213,6 +213,20 @@ def test_extend_matches_reference(preset, hq, hkv, d, small):
     _with_extend_cfg(_extend_cfg(small), lambda: _check_one_step(preset, hq, hkv, d, *EXTEND_MIXED, seed=hq + d, pad=3))
 
 
+def test_extend_refuses_16_key_tiles_on_the_gpu(monkeypatch):
+    """16-key extend tiles compute wrong 3- / 5-bit scores on sm_90 (`paged_extend.MIN_GPU_BLOCK_N`):
+    outside the interpreter such a configuration is a clear error before any launch, not a wrong
+    result."""
+    from tqserve.attention import paged_extend
+
+    monkeypatch.setattr(paged_extend, "_interpreting", lambda: False)
+    with pytest.raises(ValueError, match="key tiles of 16 keys"):
+        _with_extend_cfg(
+            paged_extend.ExtendConfig(16, 16, 4),
+            lambda: _check_one_step("turboquant_3bit_nc", 8, 2, 64, [20], [17], seed=1),
+        )
+
+
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq_k3v2_nc_s2_w8"])
 def test_extend_split_k_matches_reference(preset):
     """Split-K over the key range (few long requests): partial results + log-sum-exp, combined."""
