@@ -57,7 +57,7 @@ LOOKUP = "shfl"
 # - decode at d = 128 (16-row programs) without exact copies: one warp over 64-key tiles, split-K
 #   for ~12 programs / SM, 3 pipeline stages (eighth session: 4bit_nc 32 x 32K 0.810 -> 0.732 ms,
 #   1 x 128K 0.136 -> 0.122; tq_k4v4_ub 0.743 -> 0.732 / 0.140 -> 0.129; 8 or 16 programs / SM
-#   were 23% / 8% slower at 32 x 32K, 128-key tiles with one warp 35-70% slower);
+#   were 23% / 8% slower at 32 x 32K, 128-key tiles with one warp 35-76% slower);
 # - decode at d = 128 of exact-copy layouts (tq3: the exact pass's [16, d] query and accumulator),
 #   and every decode at d = 256 (one warp would hold [16, 256] accumulators): 4 warps over 128-key
 #   tiles, split-K for ~4 programs / SM, 2 pipeline stages when the requests alone give every SM a
