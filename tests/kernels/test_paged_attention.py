@@ -180,7 +180,7 @@ def _small_keys() -> int:
     """Smallest extend key tile: 16 under the interpreter, `paged_extend.MIN_GPU_BLOCK_N` on the GPU."""
     from tqserve.attention import paged_extend
 
-    return 16 if os.environ.get("TRITON_INTERPRET") == "1" else paged_extend.MIN_GPU_BLOCK_N
+    return 16 if paged_extend._interpreting() else paged_extend.MIN_GPU_BLOCK_N
 
 
 def _with_extend_cfg(cfg, fn):
