@@ -5,7 +5,8 @@ in one process on one card; real-size reference checks of decode / verify batche
 PYTHONPATH=src:tests python benchmarks/decode_ab.py [--presets P,...] [--json F]
 PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --heads 9,3,64 --cases 64x4096x1  (SmolLM2's decode)
 PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --graphs --lookups shfl,prmt \
-    --variants 'BLOCK_N=64,SMALL_NUM_WARPS=2:SMALL_BLOCK_N=64'   (decoders and knob sets, graph replays)
+    --variants 'BLOCK_N=64,SMALL_NUM_WARPS=2:SMALL_BLOCK_N=64,narrow.ENABLED=0'   (decoders and knob
+    sets, graph replays; `narrow.` knobs are attention/paged_decode_narrow.py's)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from test_paged_attention import _check_one_step  # noqa: E402
 
 from tqserve.attention import paged_decode  # noqa: E402
+from tqserve.attention import paged_decode_narrow as narrow  # noqa: E402
 from tqserve.bench.kernels import Case, _bench, copy_bandwidth, sdpa_decode_ms  # noqa: E402
 
 PRESETS = "turboquant_4bit_nc,turboquant_3bit_nc,tq4,tq3,tq4s,tq3s,tq_k4v4_nc"
@@ -50,12 +52,15 @@ def checks() -> None:
 
 
 def _apply(variant: str) -> str:
-    """Set paged_decode module knobs from "NAME=VALUE;NAME=VALUE"; returns the string that undoes it."""
+    """Set decode-kernel knobs from "NAME=VALUE;narrow.NAME=VALUE" (`paged_decode`, or with the prefix
+    `paged_decode_narrow`); returns the string that undoes it."""
     undo = []
     for kv in filter(None, variant.split(";")):
         name, val = kv.split("=")
-        undo.append(f"{name}={getattr(paged_decode, name)}")
-        setattr(paged_decode, name, type(getattr(paged_decode, name))(int(val) if val.isdigit() else val))
+        module, attr = (narrow, name[len("narrow.") :]) if name.startswith("narrow.") else (paged_decode, name)
+        old = getattr(module, attr)
+        undo.append(f"{name}={int(old) if isinstance(old, bool) else old}")
+        setattr(module, attr, type(old)(int(val) if val.isdigit() else val))
     return ";".join(undo)
 
 

@@ -1,10 +1,12 @@
-"""The sliced decode kernel (attention/paged_decode.py) vs the torch reference backend.
+"""The sliced decode kernels (attention/paged_decode.py, attention/paged_decode_narrow.py) vs the torch
+reference backend.
 
-paged_attention dispatches decode steps over 2- / 4-bit codebook-key layouts to it; these tests
-check that the dispatch happens, that its output matches the reference for decode and verify
-batches (tiny shapes under the interpreter, real sizes on the GPU), and on the GPU that the inline-PTX
-slice decoders (shuffle and PRMT codebook lookups, magic-number min-max) give the same bits as the
-fp16 gathers.
+paged_attention dispatches decode steps over 2- / 4-bit codebook-key layouts to them (decode steps of
+layouts without exact copies to the narrow kernel, the rest to `paged_decode`'s); these tests check
+that the dispatch happens, that the output matches the reference for decode and verify batches (tiny
+shapes under the interpreter, real sizes on the GPU), and on the GPU that the inline-PTX slice
+decoders (shuffle and PRMT codebook lookups, magic-number min-max) give the same bits as the fp16
+gathers.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from paged_cases import backend_step_errors, fill_context, make_meta
 from test_paged_attention import TOL, _check_one_step
 
 from tqserve.attention import paged_decode
+from tqserve.attention import paged_decode_narrow as narrow
 from tqserve.attention.paged import layout_for_format, paged_attention
 from tqserve.attention.reference import KVCacheStore
 from tqserve.kvquant.presets import make_layer_format
@@ -34,21 +37,33 @@ if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 # 4-bit keys with min-max values (vLLM's), with 2-bit codebook values + sink / window (tq3, tq3s),
 # 4-bit codebook values, 2-bit keys.
 SLICED = ["turboquant_4bit_nc", "tq3", "tq3s", "tq_k4v4_nc", "tq_k2v4_nc"]
+NARROW = ["turboquant_4bit_nc", "tq_k4v4_nc", "tq_k2v4_nc", "tq_k4v4_ub"]  # no exact copies
+
+
+def _count(monkeypatch, module, name: str) -> list:
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
 
 
 @pytest.fixture
 def spy(monkeypatch):
     """Counts sliced-kernel launches; lowers the dispatch's head-size floor so d = 64 runs it too."""
     monkeypatch.setattr(paged_decode, "MIN_HEAD_DIM", 64)
-    calls = []
-    real = paged_decode.decode_attention
+    return _count(monkeypatch, paged_decode, "decode_attention")
 
-    def counted(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
 
-    monkeypatch.setattr(paged_decode, "decode_attention", counted)
-    return calls
+@pytest.fixture
+def narrow_spy(monkeypatch):
+    """Counts narrow-kernel launches (`paged_decode_narrow.launch`)."""
+    monkeypatch.setattr(paged_decode, "MIN_HEAD_DIM", 64)
+    return _count(monkeypatch, narrow, "launch")
 
 
 def test_eligibility(monkeypatch):
@@ -67,6 +82,15 @@ def test_eligibility(monkeypatch):
     # 3- and 5-bit codes, dense keys, exact pages: the general kernel
     for p in ["turboquant_3bit_nc", "tq4", "tq4s", "turboquant_k8v4", "fp8", "auto"]:
         assert not paged_decode.eligible(lay(p), 1, 128), p
+    # the narrow kernel: no exact copies, (query tokens x group) padded up to 32 columns
+    for p in NARROW:
+        assert narrow.eligible(lay(p), 1, 4) and narrow.eligible(lay(p), 1, 32), p
+        assert narrow.eligible(lay(p), 5, 4) and narrow.eligible(lay(p), 8, 3), p  # 20 -> 32, 24 -> 32
+        assert not narrow.eligible(lay(p), 5, 8) and not narrow.eligible(lay(p), 1, 33), p  # 64 columns
+        assert not narrow.eligible(lay(p), 9, 1), p  # past MAX_QUERY_LEN
+    assert not narrow.eligible(lay("tq3"), 1, 4) and not narrow.eligible(lay("tq3s"), 1, 4)
+    assert narrow.cols(1, 1) == 8 and narrow.cols(1, 3) == 8 and narrow.cols(1, 16) == 16
+    assert narrow.cols(5, 4) == 32 and narrow.cols(5, 3) == 16 and narrow.cols(2, 4) == 8
 
 
 def test_launch_configs():
@@ -92,23 +116,69 @@ def test_launch_configs():
     assert pd.launch_config(32, 64, True) == (*one, pd.VERIFY_SMALL_D_SPLIT_TARGET, pd.VERIFY_STAGES)
     assert paged_decode.program_rows(1, 4) == 16 and paged_decode.program_rows(5, 4) == 32
     assert paged_decode.program_rows(5, 7) == 64  # GQA 7 pads to 8
+    nw = narrow.NUM_WARPS
+    assert narrow.launch_config(128, False) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES)
+    assert narrow.launch_config(128, True) == (nw, narrow.CB_VALUES_BLOCK_N, narrow.CB_VALUES_STAGES)
+    assert narrow.launch_config(256, True) == (nw, narrow.WIDE_D_BLOCK_N, narrow.WIDE_D_STAGES)
+    assert narrow.launch_config(64, True) == (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES)
+    verify = (narrow.VERIFY_NUM_WARPS, narrow.VERIFY_BLOCK_N, narrow.VERIFY_STAGES)
+    assert narrow.launch_config(128, False, 32) == verify and narrow.launch_config(64, True, 32) == verify
+    assert narrow.launch_config(64, True, 16) == narrow.launch_config(64, True, 8)
+
+
+def test_narrow_splits_fill_one_wave():
+    """Occupancy from the compiled kernel's registers / shared memory (H100: 64K registers, 228 KB),
+    and split-K counts that keep (request, KV head) pairs x splits within one wave of resident
+    programs, at least 4 key tiles per split, at most MAX_SPLITS."""
+    assert narrow.resident_per_sm(128, 13 * 1024, 1) == 16  # registers: 65536 / (128 x 32)
+    assert narrow.resident_per_sm(215, 26 * 1024, 1) == 8  # 216 -> 224 per thread after rounding: 9; smem 8
+    assert narrow.resident_per_sm(64, 100 * 1024, 1) == 2  # shared memory bound
+    assert narrow.resident_per_sm(32, 0, 1) == 32  # the block limit
+    assert narrow.resident_per_sm(128, 0, 4) == 4  # 4 warps of 128 registers
+    # 32 requests x 8 KV heads at 32K, 16 per SM on 132 SMs: 2,112 slots -> 8 splits (2,048 programs)
+    assert narrow.pick_splits(256, 32768, 32, 16, 132) == 8
+    assert narrow.pick_splits(8, 131072, 32, 16, 132) == narrow.MAX_SPLITS == 256  # one request: the cap
+    assert narrow.pick_splits(8, 1000, 32, 16, 132) == 8  # 32 key tiles: 4 per split
+    assert narrow.pick_splits(4096, 32768, 32, 16, 132) == 1  # more pairs than slots
 
 
 @pytest.mark.parametrize("preset", SLICED)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (7, 1, 64), (12, 3, 64)])
-def test_decode_matches_reference(preset, hq, hkv, d, spy):
-    """Decode batches (one token per request, lengths off the block size, one request past the
-    window, one inside it), one split and several (split-K partials combined)."""
+def test_decode_matches_reference(preset, hq, hkv, d, spy, monkeypatch):
+    """`paged_decode`'s kernel on decode batches (one token per request, lengths off the block size,
+    one request past the window, one inside it), one split and several (split-K partials combined)."""
+    monkeypatch.setattr(narrow, "ENABLED", False)
     for splits in (None, 3):
         _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
     assert len(spy) == 2
 
 
+@pytest.mark.parametrize("preset", NARROW)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (7, 1, 64), (12, 3, 64), (4, 4, 64), (16, 1, 64)])
+def test_narrow_decode_matches_reference(preset, hq, hkv, d, narrow_spy):
+    """The narrow kernel (GQA group on the dots' N side) on decode batches: groups 4, 7 (odd), 4
+    (three KV heads), 1 (MHA: N padded to 8) and 16 (N = 16), one split and several."""
+    for splits in (None, 3):
+        _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
+    assert len(narrow_spy) == 2
+
+
+@pytest.mark.parametrize("preset", NARROW)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (12, 3, 64), (4, 4, 64)])
+def test_narrow_verify_matches_reference(preset, hq, hkv, d, narrow_spy):
+    """The narrow kernel on verify batches (1 + k tokens, causal among themselves, beside a decode row):
+    (token, head) columns 5 x 4 -> 32, 5 x 3 -> 16, 5 x 1 -> 8; one split and several."""
+    for splits in (None, 3):
+        _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
+    assert len(narrow_spy) == 2
+
+
 @pytest.mark.parametrize("preset", SLICED)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (12, 3, 64)])
-def test_verify_matches_reference(preset, hq, hkv, d, spy):
-    """Verify batches (1 + k query tokens, causal among themselves, mixed with a decode row and a
-    request whose window spans its drafts), one split and several."""
+def test_verify_matches_reference(preset, hq, hkv, d, spy, monkeypatch):
+    """`paged_decode`'s kernel on verify batches (1 + k query tokens, causal among themselves, mixed
+    with a decode row and a request whose window spans its drafts), one split and several."""
+    monkeypatch.setattr(narrow, "ENABLED", False)
     for splits in (None, 3):
         _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
     assert len(spy) == 2
@@ -149,7 +219,9 @@ def test_store_then_decode_steps(preset, spy):
     [("turboquant_4bit_nc", 32, 8, 128), ("turboquant_4bit_nc", 9, 3, 64), ("tq3", 28, 4, 128), ("tq3s", 32, 8, 128),
      ("tq_k4v4_nc", 16, 2, 256)],
 )  # fmt: skip
-def test_decode_gpu_real_sizes(preset, hq, hkv, d, spy):
+@pytest.mark.parametrize("narrow_on", [True, False])
+def test_decode_gpu_real_sizes(preset, hq, hkv, d, narrow_on, spy, monkeypatch):
+    monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     _check_one_step(preset, hq, hkv, d, [9000, 3000, 17, 1], [1, 1, 1, 1], seed=1)
     _check_one_step(preset, hq, hkv, d, [20000], [1], seed=2)  # one long request: split-K
     assert len(spy) == 2
@@ -159,11 +231,12 @@ def test_decode_gpu_real_sizes(preset, hq, hkv, d, spy):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lookup", ["shfl", "prmt"])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub"])
-@pytest.mark.parametrize("qlen", [1, 5])
-def test_asm_decoders_equal_gathers(preset, lookup, qlen, monkeypatch):
+@pytest.mark.parametrize(("qlen", "narrow_on"), [(1, True), (1, False), (5, True), (5, False)])
+def test_asm_decoders_equal_gathers(preset, lookup, qlen, narrow_on, monkeypatch):
     """The inline-PTX slice decoders (shuffle or PRMT codebook lookups, magic-number min-max values)
     must produce the fp16 operands bit for bit: outputs identical to the gather path on the same
-    pages, for decode and for verify rows."""
+    pages, for decode (both kernels) and for verify rows."""
+    monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     d, hq, hkv, bs = 128, 32, 8, 16
     ctx = [3000, 777, 1500]
     gen = torch.Generator().manual_seed(7)

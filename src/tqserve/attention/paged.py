@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from tqserve.attention.rotate import rotate_rows
-from tqserve.attention.tuning import MAX_SPLITS, group_pad, pick_config, pick_splits
+from tqserve.attention.tuning import MAX_SPLITS, NARROW_MAX_SPLITS, group_pad, pick_config, pick_splits
 
 DENSE, CODEBOOK, MINMAX = 0, 1, 2
 LAST_LAUNCH: dict = {}  # the last compiled attention kernel (benchmarks read registers / spills)
@@ -643,7 +643,7 @@ def _combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: in
 
 
 def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device: torch.device) -> None:
-    """Compile the split-K combine for every split-count class (SP = 2 .. MAX_SPLITS, a constexpr)
+    """Compile the split-K combine for every split-count class (SP = 2 .. the largest cap, a constexpr)
     and every (width, output dtype) a launcher of this layout can ask for: which split count a step
     gets depends on its lengths and batch, so the engine's warm-up steps cannot reach them all."""
     rotated = layout.rotated_values
@@ -654,7 +654,7 @@ def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device
         w = npart * d
         red = torch.empty((1, hq, w), device=device, dtype=red_dtype)
         splits = 2
-        while splits <= MAX_SPLITS:
+        while splits <= max(MAX_SPLITS, NARROW_MAX_SPLITS):
             part = torch.zeros((splits, 1, hq, w), device=device, dtype=torch.float32)
             lse = torch.zeros((splits, 1, hq), device=device, dtype=torch.float32)
             _combine_splits(part, lse, red, splits, 1, hq, w)

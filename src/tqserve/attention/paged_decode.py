@@ -15,7 +15,7 @@ Lookups are fp16 gathers from the codebook (portable, and what the interpreter a
 run, the latter from the float32 codebook); on the GPU each slice of a pair of words is decoded by one
 inline-PTX block that Triton keeps in the operand layout (a pure elementwise op): codebook codes by
 warp shuffles (`shfl_slices`, lane l holds centroid l mod 2^b), min-max codes by the fp16 magic
-number (`minmax_slices`: 0x6400 | idx is 1024 + idx). `LOOKUP = "prmt"` keeps the older PRMT
+number (`minmax_slices`: the code in the top mantissa bits of 2^b is 2^b + idx). `LOOKUP = "prmt"` keeps the older PRMT
 byte-lookup decoder for 4-bit codebooks, for A/B timing. 2-bit codebook values of verify programs
 (`BYTE_VALUES_ROWS`) are loaded transposed and decoded four byte words per register (`shfl_slices_b8`).
 
@@ -263,19 +263,24 @@ def shfl_slices_b8(codebook16) -> tuple[str, str, str, str]:
 
 def minmax_slices(bits: int) -> tuple[str, str, str, str]:
     """PTX of slice j = 0..3 for 2- / 4-bit min-max codes in 16-bit words: two words in one register
-    -> fp16x2 (idx_j - h of word 0, of word 1), h = (2^b - 1) // 2. The codes go into the mantissas
-    of 1024 (0x6400 | idx is exactly 1024 + idx) by one LOP3, then one f16x2 subtraction of 1024 + h
-    (exact): 3 instructions per 2 values, bit-identical to `_mm_slice`."""
+    -> fp16x2 (u of word 0, of word 1), u = 2^b + idx_j: one shift moves the codes to the top b
+    mantissa bits, one LOP3 keeps them and sets the exponent of 2^b ((15 + b) << 10 | idx << (10 - b)).
+    2 instructions per 2 values, bit-identical to `_mm_slice`. (The earlier decoder made 1024 + idx
+    and subtracted 1024 + h with an f16x2 subtraction: 3 instructions.) The offset the kernels take
+    out again (`_mm_terms`) is 2^b codes, so the fp32 accumulators lose nothing to it, and p x scale
+    stays the fp16 operand it was."""
     assert bits in (2, 4)
-    mask = (1 << bits) - 1
-    k = 0x6400 + mask // 2
+    mask = ((1 << bits) - 1) << (10 - bits)
+    one = (15 + bits) << 10
     out = []
     for j in range(4):
-        body = ".reg .b32 t, k, mk, mg;\n"
-        body += f"mov.b32 k, {k | k << 16:#x};\nmov.b32 mk, {mask | mask << 16:#x};\nmov.b32 mg, 0x64006400;\n"
-        body += f"shr.u32 t, $1, {bits * j};\n" if j else "mov.b32 t, $1;\n"
-        body += "lop3.b32 t, t, mk, mg, 0xea;\n"  # (t & mk) | mg
-        body += "sub.f16x2 $0, t, k;\n"
+        shift = 10 - bits - bits * j
+        body = ".reg .b32 t;\n"
+        if shift:
+            body += f"shl.b32 t, $1, {shift};\n" if shift > 0 else f"shr.u32 t, $1, {-shift};\n"
+        else:
+            body += "mov.b32 t, $1;\n"
+        body += f"lop3.b32 $0, t, {mask | mask << 16:#x}, {one | one << 16:#x}, 0xea;\n"  # (t & mask) | 2^b
         out.append("{\n" + body + "}")
     return tuple(out)
 
@@ -338,11 +343,17 @@ def _cb_slice(w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr,
 
 @triton.jit
 def _mm_slice(w, j: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr):
-    """Centred min-max indices idx - h of slice j, h = (2^b - 1) // 2: fp16 1024 + idx from the index
-    bits, minus 1024 + h (both exact in fp16)."""
-    HI: tl.constexpr = ((1 << BITS) - 1) // 2
-    i = ((w >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.int32) | 0x6400
-    return (i.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + HI)).to(OUT_T)
+    """Min-max codes of slice j as u = 2^b + idx (exact in fp16: the code in the top b mantissa bits of
+    2^b); value = zero + scale idx = scale u + (zero - 2^b scale), see `_mm_terms`."""
+    i = (((w >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.int32) << (10 - BITS)) | ((15 + BITS) << 10)
+    return i.to(tl.int16).to(tl.float16, bitcast=True).to(OUT_T)
+
+
+@triton.jit
+def _mm_terms(vsc, vze, VAL_BITS: tl.constexpr):
+    """(weight of the decoded values, constant term) per key of min-max values: they decode to
+    u = 2^b + idx (`_mm_slice`), so value = zero + scale idx = scale u + (zero - 2^b scale)."""
+    return vsc, vze - vsc * (1 << VAL_BITS)
 
 
 @triton.jit
@@ -514,7 +525,7 @@ def _decode_kernel(
     a1 = tl.zeros([BM, KV], dtype=tl.float32)
     a2 = tl.zeros([BM, KV], dtype=tl.float32)
     a3 = tl.zeros([BM, KV], dtype=tl.float32)
-    vsum = tl.zeros([BM], dtype=tl.float32)  # min-max: sum of p * (zero + h * scale)
+    vsum = tl.zeros([BM], dtype=tl.float32)  # min-max: sum of p (zero - 2^b scale), see _mm_terms
     bt_row = bt_ptr + req * stride_bt
     if NPART == 2 and X_PHASED:
         # ---- exact pass, phase 1 (programs of many rows, `EXACT_PHASED_ROWS`): the softmax statistics of
@@ -568,9 +579,8 @@ def _decode_kernel(
                 valid = valid & ~_exact_masks(n, qpos, q_min, SINK, WINDOW)[1]
         p, alpha, m_i, l_i = _softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
         if VAL_MODE == 2:
-            vze = tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-            HI: tl.constexpr = ((1 << VAL_BITS) - 1) // 2
-            vsum = vsum * alpha + tl.sum(p * (vze + HI * vsc)[None, :], 1)
+            vsc, vze = _mm_terms(vsc, tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32), VAL_BITS)
+            vsum = vsum * alpha + tl.sum(p * vze[None, :], 1)
         pv = (p * vsc[None, :]).to(pk_t)
         if VB8:
             a0 = tl.dot(pv, _asm_slice4(vw, VASM0), a0 * alpha[:, None], input_precision=PREC)
@@ -753,8 +763,17 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     n_qblocks = triton.cdiv(max(1, meta.max_query_len), bq)
     programs = meta.num_reqs * hkv * n_qblocks
     exact_copies = bool(layout.sink or layout.window)
-    warps, block_n, per_sm, stages = launch_config(bq * gp, d, exact_copies, programs, _num_sms(dev))
-    splits = num_splits or pick_splits(programs, meta.max_seq_len, _num_sms(dev), block_n, per_sm)
+    from tqserve.attention import paged_decode_narrow as narrow  # imports this module's helpers
+
+    use_narrow = narrow.eligible(layout, meta.max_query_len, group)
+    if use_narrow:
+        warps, block_n, stages, splits, narrow_key = narrow.plan(
+            layout, d, group, meta.max_query_len, meta.num_reqs * hkv, meta.max_seq_len, _num_sms(dev), dev
+        )
+        splits = num_splits or splits
+    else:
+        warps, block_n, per_sm, stages = launch_config(bq * gp, d, exact_copies, programs, _num_sms(dev))
+        splits = num_splits or pick_splits(programs, meta.max_seq_len, _num_sms(dev), block_n, per_sm)
     tiles = triton.cdiv(max(1, meta.max_seq_len), block_n)
     split_n = triton.cdiv(tiles, splits) * block_n
     splits = triton.cdiv(tiles * block_n, split_n)
@@ -792,6 +811,13 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     if vb8:
         vasm = _asm_b8(layout)
     stride_os = part.stride(0) if not direct else 0
+    dot_f32, prec = _interpreting() or model_f32, "ieee" if model_f32 else "tf32"
+    if use_narrow:
+        narrow.launch(
+            q, kp, ks, vp, vs, vz, kcb, vcb, meta, part, lse, stride_os, splits, split_n, scale * LOG2E,
+            layout, kasm, vasm, dot_f32, prec, warps, block_n, stages, narrow_key,
+        )  # fmt: skip
+        return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
     phased = exact and bq * gp >= EXACT_PHASED_ROWS
     _decode_kernel[grid](
@@ -806,7 +832,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
-        DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32", BLOCK_X=16,
+        DOT_F32=dot_f32, PREC=prec, BLOCK_X=16,
         X_PHASED=phased, XH=EXACT_CHUNKS if phased else 1, FOLD_MASK=bool(FOLD_EXACT_MASK),
         VAL_TRANS=byte_vals, VB8=vb8,
         num_warps=warps, num_stages=stages, **({"maxnreg": MAXNREG} if MAXNREG and not _interpreting() else {}),

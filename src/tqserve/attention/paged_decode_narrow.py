@@ -1,0 +1,296 @@
+"""Decode and verify over packed pages with keys on the tensor-core M side and the query heads on N.
+
+`paged_decode._decode_kernel` puts the rows (query token x head of the GQA group, padded to 16) on the
+M side of every `tl.dot`: with a group of 4 in a decode step, three quarters of each [16, keys] score
+tile are padding, yet the online softmax (scale, mask, max, exp2, sum, the rescale of [16, d]
+accumulators) runs over all of it - about a quarter of the key loop's instructions on the H100
+(eighth session: ~500 of ~2,000 per 64-key tile). Here the dots are turned around and the columns
+(query token x head of the group, padded to a power of two) sit on N, whose tensor-core minimum is 8:
+
+    s^T [keys, N]   = sum_j  c[idx_j] [keys, d / 4] @ q_j^T [d / 4, N]      (scores, keys on M)
+    acc_j^T [d/4, N] += v_j^T [d / 4, keys] @ p^T [keys, N]                 (values, words on M)
+
+so a decode step's 64-key tile runs its softmax on 64 x 8 scores instead of 16 x 64, the accumulators
+hold [d, 8] instead of [16, d] (half the registers: 16 one-warp programs per SM at 32-key tiles), and
+half the tensor-core instructions are issued. Verify steps (1 + k tokens) put (token, head) pairs on N
+(5 x 4 -> 32), causal among the tokens. The decoding of the packed words is the same elementwise slice
+decoders as `paged_decode` (inline-PTX shuffles / magic numbers on the GPU, fp16 gathers in the
+interpreter): a register pair holds two consecutive words of one key (scores) or one word of two
+consecutive keys (values), as there. Split-K fills one wave of resident programs (`pick_splits`).
+
+Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_COLS columns over
+layouts without exact sink / window copies whose keys are 2- / 4-bit codebook codes and values 2- /
+4-bit codebook or min-max codes (the `paged_decode.eligible` layouts minus the exact-copy ones). The
+output contract (split-K partials, log-sum-exp, rotated values) is `paged_decode`'s; its launcher
+calls `plan` and `launch` here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tqserve.attention.paged import CODEBOOK, _interpreting, _tile_rows
+from tqserve.attention.paged_decode import S, _cb_slice, _mm_terms, _v_slice, _words
+from tqserve.attention.tuning import NARROW_MAX_SPLITS
+
+ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
+MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
+MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
+# Launch table (warps, key tile, pipeline stages), tuned on the H100 with CUDA-graph replays
+# (`benchmarks/decode_ab.py --variants`, docs/benchmarks.md, ninth session), one warp throughout:
+# - d = 128, min-max values: 32-key tiles, 3 stages (128 registers: 16 programs per SM);
+# - d = 128, codebook values (shuffle tables, more registers): 64-key tiles, 2 stages (32-key
+#   tiles 10% slower at 32 x 32K);
+# - d = 256: 32-key tiles, 2 stages (tq_k4v4_nc, 16 / 2 heads, 32 x 32K: 26% faster than 64);
+# - d < 128: 64-key tiles, 3 stages;
+# - more than 16 columns (verify steps of GQA groups of 4 and more): 32-key tiles, 2 stages (32 x 5 x
+#   32K: 4bit_nc 1.105 ms, `paged_decode`'s kernel 1.117; tq_k4v4_ub 1.003 / 1.033; two warps 1.46,
+#   four 3.2, 64-key tiles 1.11, 3 stages 1.69 - though one warp spills ~58 instructions there).
+NUM_WARPS = 1
+BLOCK_N = 32
+NUM_STAGES = 3
+CB_VALUES_BLOCK_N = 64
+CB_VALUES_STAGES = 2
+WIDE_D_BLOCK_N = 32
+WIDE_D_STAGES = 2
+SMALL_D_BLOCK_N = 64
+SMALL_D_STAGES = 3
+VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
+VERIFY_BLOCK_N = 32
+VERIFY_STAGES = 2
+# Split-K fills one wave: (request, KV head) pairs x splits <= the programs the SMs keep resident
+# (from the compiled kernel's registers and shared memory, `resident_per_sm`; a guess by key tile
+# until the first launch). A second, partial wave costs a whole program time (H100, 32 x 32K:
+# 9 splits, 2,304 programs for 2,112 resident slots, were 30% slower than 7).
+WAVE_FILL = 1.0
+MAX_SPLITS = NARROW_MAX_SPLITS  # 1 x 128K, 8 KV heads: 256 splits fill the 2,112 slots of 16 per SM
+GUESS_PER_SM = {32: 16, 64: 8, 128: 4}
+_RESIDENT: dict[tuple, int] = {}  # launch key -> resident programs per SM of its compiled kernel
+
+
+def eligible(layout, max_query_len: int, group: int) -> bool:
+    """Decode and verify steps (up to MAX_QUERY_LEN tokens, at most MAX_COLS columns) of
+    `paged_decode`-eligible layouts without exact copies."""
+    if not ENABLED or layout.sink or layout.window or max_query_len > MAX_QUERY_LEN:
+        return False
+    return cols(max_query_len, group) <= MAX_COLS
+
+
+def cols(max_query_len: int, group: int) -> int:
+    """The N side of the dots: (query tokens) x (heads of the group), padded to a power of two, at
+    least 8 (the tensor cores' n8)."""
+    return max(8, triton.next_power_of_2(max(1, max_query_len) * group))
+
+
+def launch_config(head_dim: int, codebook_values: bool, n_cols: int = 8) -> tuple[int, int, int]:
+    """(warps, key tile, pipeline stages)."""
+    if n_cols > 16:
+        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES
+    if head_dim < 128:
+        return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES
+    if head_dim > 128:
+        return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES
+    if codebook_values:
+        return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES
+    return NUM_WARPS, BLOCK_N, NUM_STAGES
+
+
+def resident_per_sm(n_regs: int, shared: int, warps: int, sm_regs: int = 65536, sm_shared: int = 233472) -> int:
+    """Programs one SM holds at once: registers (allocated per warp in units of 256), shared memory
+    (+1 KB the hardware reserves per block), threads (2,048) and the 32-block limit."""
+    regs_per_warp = -(-max(1, n_regs) * 32 // 256) * 256
+    by_regs = sm_regs // (regs_per_warp * warps)
+    by_smem = sm_shared // (shared + 1024)
+    return max(1, min(by_regs, by_smem, 2048 // (32 * warps), 32))
+
+
+def _record_occupancy(key: tuple, kernel, warps: int, device) -> None:
+    from triton.runtime import driver
+
+    props = driver.active.utils.get_device_properties(device.index if device.index is not None else 0)
+    # max_num_regs: registers per block (= per SM on sm_80 / sm_90); max_shared_mem: the opt-in
+    # per-block maximum, 1 KB below the SM's shared memory
+    _RESIDENT[key] = resident_per_sm(
+        kernel.n_regs, kernel.metadata.shared, warps, props["max_num_regs"], props["max_shared_mem"] + 1024
+    )
+
+
+def pick_splits(pairs: int, max_seq_len: int, block_n: int, per_sm: int, sms: int) -> int:
+    """Split-K count that fills one wave of resident programs (at least 4 key tiles per split)."""
+    slots = int(per_sm * sms * WAVE_FILL)
+    tiles = triton.cdiv(max(1, max_seq_len), block_n)
+    return max(1, min(slots // max(1, pairs), tiles // 4, MAX_SPLITS))
+
+
+def plan(
+    layout, head_dim: int, group: int, max_query_len: int, pairs: int, max_seq_len: int, sms: int, device
+) -> tuple[int, int, int, int, tuple]:
+    """(warps, key tile, stages, splits, launch key) of a step over `pairs` (request, KV head)."""
+    n_cols = cols(max_query_len, group)
+    warps, block_n, stages = launch_config(head_dim, layout.val_mode == CODEBOOK, n_cols)
+    key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, warps, block_n, stages)
+    per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
+    return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms), key
+
+
+@triton.jit
+def _q_cols(q_ptr, tok, hq, h_ok, j: tl.constexpr, qk_scale, S: tl.constexpr, D: tl.constexpr, OUT_T: tl.constexpr):
+    """Slice j of the group's queries, transposed: [d / S, N] (coordinates S g + j of each head)."""
+    g = tl.arange(0, D // S)
+    x = tl.load(q_ptr + tok + hq[None, :] * D + g[:, None] * S + j, mask=h_ok[None, :], other=0.0)
+    return (x.to(tl.float32) * qk_scale).to(OUT_T)
+
+
+@triton.jit
+def _store_cols(obase, acc, l_safe, h_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
+    g = tl.arange(0, D // S)
+    tl.store(obase + g[:, None] * S + j, (acc / l_safe[None, :]).to(obase.dtype.element_ty), mask=h_ok[None, :])
+
+
+@triton.jit
+def _acc_cols(
+    acc, alpha, pv, vw, j: tl.constexpr, vcb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+    PK_T: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """acc_j^T [d / S, N] rescaled, plus the value slice j [d / S, keys] times p^T [keys, N]."""
+    return tl.dot(_v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T), pv, acc * alpha[None, :], input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["stride_ls"])
+def _narrow_decode_kernel(
+    q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, split_n, qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SW: tl.constexpr,
+    KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
+    VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    KRAW: tl.constexpr = KASM0 != ""
+    VRAW: tl.constexpr = VASM0 != ""
+    pid_rh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    req = pid_rh // HKV
+    kvh = pid_rh % HKV
+    q_start = tl.load(qsl_ptr + req)
+    qlen = tl.load(qsl_ptr + req + 1) - q_start
+    if qlen == 0:  # a request without query tokens (graph padding)
+        return
+    seq_len = tl.load(seqlen_ptr + req)
+    lo = pid_s * split_n
+    hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
+
+    # columns: (query token t, head h of the group), t-major; padded columns have zero queries
+    c = tl.arange(0, N)
+    t = c // G
+    hh = c % G
+    h_ok = (t < qlen) & (c < BLOCK_Q * G)
+    hq = kvh * G + hh
+    tok_c = (q_start + t).to(tl.int64)
+    qpos = seq_len - qlen + t
+    tok = tok_c[None, :] * stride_qt
+    pk_t = tl.float32 if DOT_F32 else tl.float16  # the interpreter and float32 models compute in float32
+    KV: tl.constexpr = D // SW
+    q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SW, D, pk_t)
+    q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SW, D, pk_t)
+    q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SW, D, pk_t)
+    q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SW, D, pk_t)
+
+    m_i = tl.full([N], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([N], dtype=tl.float32)
+    a0 = tl.zeros([KV, N], dtype=tl.float32)
+    a1 = tl.zeros([KV, N], dtype=tl.float32)
+    a2 = tl.zeros([KV, N], dtype=tl.float32)
+    a3 = tl.zeros([KV, N], dtype=tl.float32)
+    vsum = tl.zeros([N], dtype=tl.float32)  # min-max: sum of p (zero - 2^b scale), see _mm_terms
+    bt_row = bt_ptr + req * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, False, KRAW)  # [keys, words]
+        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, True, VRAW)  # [words, keys]
+        ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+        vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+        s = tl.dot(_cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), q0, input_precision=PREC)
+        s = tl.dot(_cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), q1, s, input_precision=PREC)
+        s = tl.dot(_cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), q2, s, input_precision=PREC)
+        s = tl.dot(_cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t), q3, s, input_precision=PREC)
+        # padded columns have zero queries, so their scores stay finite; masked: keys past the split
+        # and, in verify steps, keys after a column's query token
+        if BLOCK_Q > 1:
+            s = tl.where(nmask[:, None] & (n[:, None] <= qpos[None, :]), s * ksc[:, None], float("-inf"))
+        else:
+            s = tl.where(nmask[:, None], s * ksc[:, None], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+        if VAL_MODE == 2:
+            vsc, vze = _mm_terms(vsc, tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32), VAL_BITS)
+            vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
+        pv = (p * vsc[:, None]).to(pk_t)
+        a0 = _acc_cols(a0, alpha, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
+        a1 = _acc_cols(a1, alpha, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
+        a2 = _acc_cols(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
+        a3 = _acc_cols(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    vs = vsum[None, :]
+    obase = out_ptr + pid_s * stride_os + tok_c[None, :] * stride_ot + hq[None, :] * D
+    _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SW, D)
+    _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SW, D)
+    _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SW, D)
+    _store_cols(obase, a3 + vs, l_safe, h_ok, 3, SW, D)
+    if SPLIT:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, lse, mask=h_ok)
+
+
+def launch(
+    q,
+    kp,
+    ks,
+    vp,
+    vs,
+    vz,
+    kcb,
+    vcb,
+    meta,
+    part,
+    lse,
+    stride_os: int,
+    splits: int,
+    split_n: int,
+    qk_scale: float,
+    layout,
+    kasm,
+    vasm,
+    dot_f32: bool,
+    prec: str,
+    warps: int,
+    block_n: int,
+    stages: int,
+    key: tuple,
+) -> None:
+    """Launch over (request x KV head, split) with `paged_decode.decode_attention`'s prepared buffers;
+    the first launch of a configuration records its occupancy for `plan`."""
+    T, hq, d = q.shape
+    hkv = kp.shape[1]
+    grid = (meta.num_reqs * hkv, splits)
+    kernel = _narrow_decode_kernel[grid](
+        q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
+        q.stride(0), meta.block_tables.stride(0), stride_os, hq * d, lse.stride(0) if splits > 1 else 0, hq,
+        split_n, qk_scale,
+        HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=cols(meta.max_query_len, hq // hkv), D=d,
+        BS=kp.shape[2], BLOCK_N=block_n,
+        KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, SW=S,
+        KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
+        VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
+        SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if key not in _RESIDENT and not _interpreting():
+        _record_occupancy(key, kernel, warps, q.device)
