@@ -16,6 +16,7 @@ KERNELS = [
     ("tqserve.attention.paged", "_paged_attn_kernel"),
     ("tqserve.attention.paged", "_split_reduce_kernel"),
     ("tqserve.attention.paged_decode", "_decode_kernel"),
+    ("tqserve.attention.paged_decode_narrow", "_narrow_decode_kernel"),
     ("tqserve.attention.paged_extend", "_extend_kernel"),
     ("tqserve.kvquant.store_triton", "_store_kv_kernel"),
 ]

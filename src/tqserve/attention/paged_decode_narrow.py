@@ -292,5 +292,5 @@ def launch(
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    if key not in _RESIDENT and not _interpreting():
+    if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):
         _record_occupancy(key, kernel, warps, q.device)
