@@ -37,7 +37,8 @@ if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 # 4-bit keys with min-max values (vLLM's), with 2-bit codebook values + sink / window (tq3, tq3s),
 # 4-bit codebook values, 2-bit keys.
 SLICED = ["turboquant_4bit_nc", "tq3", "tq3s", "tq_k4v4_nc", "tq_k2v4_nc"]
-NARROW = ["turboquant_4bit_nc", "tq_k4v4_nc", "tq_k2v4_nc", "tq_k4v4_ub"]  # no exact copies
+NARROW = ["turboquant_4bit_nc", "tq_k4v4_nc", "tq_k2v4_nc", "tq_k4v4_ub", "tq_k4v2_nc"]  # no exact copies
+NARROW_EXACT = ["tq3", "tq3s"]  # sink + window copies: decode steps (up to 16 columns) only
 
 
 def _count(monkeypatch, module, name: str) -> list:
@@ -66,9 +67,13 @@ def narrow_spy(monkeypatch):
     return _count(monkeypatch, narrow, "launch")
 
 
+def _layout(preset: str, hkv: int = 2, d: int = 128):
+    return layout_for_format(make_layer_format(preset, 3, hkv, d, torch.bfloat16), DEV)
+
+
 def test_eligibility(monkeypatch):
     def lay(preset, d=128):
-        return layout_for_format(make_layer_format(preset, 3, 2, d, torch.bfloat16), DEV)
+        return _layout(preset, 2, d)
 
     for p in SLICED:
         assert paged_decode.eligible(lay(p), 1, 128), p
@@ -88,7 +93,10 @@ def test_eligibility(monkeypatch):
         assert narrow.eligible(lay(p), 5, 4) and narrow.eligible(lay(p), 8, 3), p  # 20 -> 32, 24 -> 32
         assert not narrow.eligible(lay(p), 5, 8) and not narrow.eligible(lay(p), 1, 33), p  # 64 columns
         assert not narrow.eligible(lay(p), 9, 1), p  # past MAX_QUERY_LEN
-    assert not narrow.eligible(lay("tq3"), 1, 4) and not narrow.eligible(lay("tq3s"), 1, 4)
+    for p in NARROW_EXACT:  # the exact pass's [d, N] query and accumulator: at most 16 columns
+        assert narrow.eligible(lay(p), 1, 4) and narrow.eligible(lay(p), 1, 16) and narrow.eligible(lay(p), 5, 3), p
+        assert not narrow.eligible(lay(p), 5, 4) and not narrow.eligible(lay(p), 1, 17), p
+        assert not narrow.eligible(lay(p), 1, 4, pairs=8, sms=132), p  # few pairs: paged_decode's FEW table
     assert narrow.cols(1, 1) == 8 and narrow.cols(1, 3) == 8 and narrow.cols(1, 16) == 16
     assert narrow.cols(5, 4) == 32 and narrow.cols(5, 3) == 16 and narrow.cols(2, 4) == 8
 
@@ -124,6 +132,8 @@ def test_launch_configs():
     verify = (narrow.VERIFY_NUM_WARPS, narrow.VERIFY_BLOCK_N, narrow.VERIFY_STAGES)
     assert narrow.launch_config(128, False, 32) == verify and narrow.launch_config(64, True, 32) == verify
     assert narrow.launch_config(64, True, 16) == narrow.launch_config(64, True, 8)
+    assert narrow.launch_config(128, True, 8, True) == (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_STAGES)
+    assert narrow.launch_config(64, True, 8, True) == narrow.launch_config(64, True)
 
 
 def test_narrow_splits_fill_one_wave():
@@ -153,21 +163,24 @@ def test_decode_matches_reference(preset, hq, hkv, d, spy, monkeypatch):
     assert len(spy) == 2
 
 
-@pytest.mark.parametrize("preset", NARROW)
+@pytest.mark.parametrize("preset", NARROW + NARROW_EXACT)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (7, 1, 64), (12, 3, 64), (4, 4, 64), (16, 1, 64)])
 def test_narrow_decode_matches_reference(preset, hq, hkv, d, narrow_spy):
     """The narrow kernel (GQA group on the dots' N side) on decode batches: groups 4, 7 (odd), 4
-    (three KV heads), 1 (MHA: N padded to 8) and 16 (N = 16), one split and several."""
+    (three KV heads), 1 (MHA: N padded to 8) and 16 (N = 16), one split and several; with exact sink
+    / window copies (tq3, tq3s: one request past the window, one inside it)."""
     for splits in (None, 3):
         _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
     assert len(narrow_spy) == 2
 
 
-@pytest.mark.parametrize("preset", NARROW)
+@pytest.mark.parametrize("preset", NARROW + NARROW_EXACT)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (12, 3, 64), (4, 4, 64)])
 def test_narrow_verify_matches_reference(preset, hq, hkv, d, narrow_spy):
     """The narrow kernel on verify batches (1 + k tokens, causal among themselves, beside a decode row):
     (token, head) columns 5 x 4 -> 32, 5 x 3 -> 16, 5 x 1 -> 8; one split and several."""
+    if preset in NARROW_EXACT and not narrow.eligible(_layout(preset, hkv, d), 5, hq // hkv):
+        pytest.skip("32 columns with exact copies: paged_decode's kernel")
     for splits in (None, 3):
         _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
     assert len(narrow_spy) == 2
@@ -196,6 +209,7 @@ def test_exact_pass_variants(phased_rows, chunks, fold, byte_rows, spy, monkeypa
     monkeypatch.setattr(paged_decode, "EXACT_CHUNKS", chunks)
     monkeypatch.setattr(paged_decode, "FOLD_EXACT_MASK", fold)
     monkeypatch.setattr(paged_decode, "BYTE_VALUES_ROWS", byte_rows)
+    monkeypatch.setattr(narrow, "ENABLED", False)  # decode steps of tq3 / tq3s would go there
     for splits in (None, 3):
         _check_one_step("tq3", 8, 2, 128, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
         _check_one_step("tq3s", 8, 2, 64, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)

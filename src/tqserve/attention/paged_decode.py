@@ -765,7 +765,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     exact_copies = bool(layout.sink or layout.window)
     from tqserve.attention import paged_decode_narrow as narrow  # imports this module's helpers
 
-    use_narrow = narrow.eligible(layout, meta.max_query_len, group)
+    use_narrow = narrow.eligible(layout, meta.max_query_len, group, meta.num_reqs * hkv, _num_sms(dev))
     if use_narrow:
         warps, block_n, stages, splits, narrow_key = narrow.plan(
             layout, d, group, meta.max_query_len, meta.num_reqs * hkv, meta.max_seq_len, _num_sms(dev), dev
@@ -815,7 +815,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     if use_narrow:
         narrow.launch(
             q, kp, ks, vp, vs, vz, kcb, vcb, meta, part, lse, stride_os, splits, split_n, scale * LOG2E,
-            layout, kasm, vasm, dot_f32, prec, warps, block_n, stages, narrow_key,
+            layout, kasm, vasm, dot_f32, prec, warps, block_n, stages, narrow_key, (qx, k_new, v_new, rk, rv, sk, sv),
         )  # fmt: skip
         return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
     grid = (n_qblocks, meta.num_reqs * hkv, splits)

@@ -18,11 +18,14 @@ decoders as `paged_decode` (inline-PTX shuffles / magic numbers on the GPU, fp16
 interpreter): a register pair holds two consecutive words of one key (scores) or one word of two
 consecutive keys (values), as there. Split-K fills one wave of resident programs (`pick_splits`).
 
-Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_COLS columns over
-layouts without exact sink / window copies whose keys are 2- / 4-bit codebook codes and values 2- /
-4-bit codebook or min-max codes (the `paged_decode.eligible` layouts minus the exact-copy ones). The
-output contract (split-K partials, log-sum-exp, rotated values) is `paged_decode`'s; its launcher
-calls `plan` and `launch` here.
+Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_COLS columns over the
+`paged_decode.eligible` layouts (2- / 4-bit codebook keys, 2- / 4-bit codebook or min-max values).
+Layouts with exact sink / window copies (tq3) come here for up to MAX_EXACT_COLS columns when the
+requests fill the SMs: the packed loop masks the pairs the exact rule claims, and an exact pass after
+it reads those keys and values from the fresh tensors, the ring and the sink buffer (unrotated query,
+exact values accumulated in the output's second part). The output contract (split-K partials,
+log-sum-exp, rotated values, the exact part) is `paged_decode`'s; its launcher calls `plan` and
+`launch` here.
 """
 
 from __future__ import annotations
@@ -30,19 +33,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqserve.attention.paged import CODEBOOK, _interpreting, _tile_rows
-from tqserve.attention.paged_decode import S, _cb_slice, _mm_terms, _v_slice, _words
+from tqserve.attention.paged import CODEBOOK, _interpreting, _load_exact, _tile_rows
+from tqserve.attention.paged_decode import S, _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
 ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
+# ... of layouts with exact sink / window copies: the exact pass's [d, N] query and accumulator come
+# on top (verify steps of a group of 4, 32 columns, stay on `paged_decode`'s phased exact pass)
+MAX_EXACT_COLS = 16
+# Register cap of kernels with the exact pass (0: none): its [16, d] exact key / value tiles would set
+# the register count of the whole kernel (255 at d = 128) and halve the resident programs; capped, the
+# short exact pass spills (tq3, 32 x 32K: 168 -> 0.703 ms, 128 -> 0.752, none 0.739 at 64-key tiles,
+# 0.967 at 32-key tiles).
+EXACT_MAXNREG = 168
 # Launch table (warps, key tile, pipeline stages), tuned on the H100 with CUDA-graph replays
 # (`benchmarks/decode_ab.py --variants`, docs/benchmarks.md, ninth session), one warp throughout:
 # - d = 128, min-max values: 32-key tiles, 3 stages (128 registers: 16 programs per SM);
 # - d = 128, codebook values (shuffle tables, more registers): 64-key tiles, 2 stages (32-key
 #   tiles 10% slower at 32 x 32K);
 # - d = 256: 32-key tiles, 2 stages (tq_k4v4_nc, 16 / 2 heads, 32 x 32K: 26% faster than 64);
+# - d >= 128 with exact copies: 32-key tiles, 2 stages, registers capped (`EXACT_MAXNREG`);
 # - d < 128: 64-key tiles, 3 stages;
 # - more than 16 columns (verify steps of GQA groups of 4 and more): 32-key tiles, 2 stages (32 x 5 x
 #   32K: 4bit_nc 1.105 ms, `paged_decode`'s kernel 1.117; tq_k4v4_ub 1.003 / 1.033; two warps 1.46,
@@ -54,6 +66,8 @@ CB_VALUES_BLOCK_N = 64
 CB_VALUES_STAGES = 2
 WIDE_D_BLOCK_N = 32
 WIDE_D_STAGES = 2
+EXACT_BLOCK_N = 32  # d >= 128 with exact copies (tq3, 32 x 32K: 0.703 ms; 64-key tiles 0.704)
+EXACT_STAGES = 2
 SMALL_D_BLOCK_N = 64
 SMALL_D_STAGES = 3
 VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
@@ -69,11 +83,14 @@ GUESS_PER_SM = {32: 16, 64: 8, 128: 4}
 _RESIDENT: dict[tuple, int] = {}  # launch key -> resident programs per SM of its compiled kernel
 
 
-def eligible(layout, max_query_len: int, group: int) -> bool:
+def eligible(layout, max_query_len: int, group: int, pairs: int = 1 << 30, sms: int = 1) -> bool:
     """Decode and verify steps (up to MAX_QUERY_LEN tokens, at most MAX_COLS columns) of
-    `paged_decode`-eligible layouts without exact copies."""
-    if not ENABLED or layout.sink or layout.window or max_query_len > MAX_QUERY_LEN:
+    `paged_decode`-eligible layouts; with exact copies at most MAX_EXACT_COLS columns, and only when
+    the (request, KV head) `pairs` fill the `sms` (1 x 128K tq3: 0.151 ms here, 0.145 there)."""
+    if not ENABLED or max_query_len > MAX_QUERY_LEN:
         return False
+    if layout.sink or layout.window:
+        return cols(max_query_len, group) <= MAX_EXACT_COLS and pairs >= sms
     return cols(max_query_len, group) <= MAX_COLS
 
 
@@ -83,12 +100,14 @@ def cols(max_query_len: int, group: int) -> int:
     return max(8, triton.next_power_of_2(max(1, max_query_len) * group))
 
 
-def launch_config(head_dim: int, codebook_values: bool, n_cols: int = 8) -> tuple[int, int, int]:
+def launch_config(head_dim: int, codebook_values: bool, n_cols: int = 8, exact: bool = False) -> tuple[int, int, int]:
     """(warps, key tile, pipeline stages)."""
     if n_cols > 16:
         return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES
     if head_dim < 128:
         return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES
+    if exact:
+        return NUM_WARPS, EXACT_BLOCK_N, EXACT_STAGES
     if head_dim > 128:
         return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES
     if codebook_values:
@@ -128,8 +147,9 @@ def plan(
 ) -> tuple[int, int, int, int, tuple]:
     """(warps, key tile, stages, splits, launch key) of a step over `pairs` (request, KV head)."""
     n_cols = cols(max_query_len, group)
-    warps, block_n, stages = launch_config(head_dim, layout.val_mode == CODEBOOK, n_cols)
-    key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, warps, block_n, stages)
+    exact = bool(layout.sink or layout.window)
+    warps, block_n, stages = launch_config(head_dim, layout.val_mode == CODEBOOK, n_cols, exact)
+    key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact, block_n, stages)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms), key
 
@@ -160,14 +180,19 @@ def _acc_cols(
 @triton.jit(do_not_specialize=["stride_ls"])
 def _narrow_decode_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
-    stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, split_n, qk_scale,
+    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr,
+    stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, stride_qxt, stride_knt, stride_vnt,
+    split_n, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SW: tl.constexpr,
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr,
 ):  # fmt: skip
+    HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
+    NPART: tl.constexpr = 2 if HAS_EXACT else 1
     KRAW: tl.constexpr = KASM0 != ""
     VRAW: tl.constexpr = VASM0 != ""
     pid_rh = tl.program_id(0)
@@ -218,9 +243,13 @@ def _narrow_decode_kernel(
         s = tl.dot(_cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), q1, s, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), q2, s, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t), q3, s, input_precision=PREC)
-        # padded columns have zero queries, so their scores stay finite; masked: keys past the split
-        # and, in verify steps, keys after a column's query token
-        if BLOCK_Q > 1:
+        # padded columns have zero queries, so their scores stay finite; masked: keys past the split,
+        # in verify steps keys after a column's query token, and the pairs the exact rule claims (a
+        # pair is packed iff n >= SINK and qpos - n >= WINDOW)
+        if HAS_EXACT:
+            packed = nmask[:, None] & (n[:, None] >= SINK) & (n[:, None] <= (qpos - WINDOW)[None, :])
+            s = tl.where(packed, s * ksc[:, None], float("-inf"))
+        elif BLOCK_Q > 1:
             s = tl.where(nmask[:, None] & (n[:, None] <= qpos[None, :]), s * ksc[:, None], float("-inf"))
         else:
             s = tl.where(nmask[:, None], s * ksc[:, None], float("-inf"))
@@ -238,9 +267,52 @@ def _narrow_decode_kernel(
         a2 = _acc_cols(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
         a3 = _acc_cols(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
 
+    if HAS_EXACT:
+        # ---- the exact sink / window pairs, after the packed loop: the same online softmax continues,
+        # exact values accumulate unrotated in the output's second part
+        d = tl.arange(0, D)
+        dot_t = kn_ptr.dtype.element_ty if not DOT_F32 else tl.float32
+        qx = tl.load(qx_ptr + tok_c[None, :] * stride_qxt + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0)
+        qx = (qx.to(tl.float32) * qk_scale).to(dot_t)  # [d, N]
+        seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
+        sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
+        ctx = seq_len - qlen
+        n_sink, sink_hi, win_lo, x_tiles = _x_range(lo, hi, ctx, SINK, WINDOW, BLOCK_X)
+        accx = tl.zeros([D, N], dtype=tl.float32)
+        for xt in range(0, x_tiles):
+            n, nmask = _x_tile(xt, lo, hi, n_sink, sink_hi, win_lo, BLOCK_X)
+            need = n < SINK
+            ex = n[:, None] < SINK
+            if WINDOW > 0:
+                need = need | (n > ctx - WINDOW)
+                ex = ex | (qpos[None, :] - n[:, None] < WINDOW)
+            kx = _load_exact(
+                kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
+                seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+            )  # fmt: skip
+            s = tl.dot(kx.to(dot_t), qx, input_precision=PREC)  # [BLOCK_X, N]
+            s = tl.where(ex & nmask[:, None] & (n[:, None] <= qpos[None, :]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+            vsum = vsum * alpha
+            a0 = a0 * alpha[None, :]
+            a1 = a1 * alpha[None, :]
+            a2 = a2 * alpha[None, :]
+            a3 = a3 * alpha[None, :]
+            vx = _load_exact(
+                vn_ptr, rv_ptr, sv_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_vnt,
+                seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+            )  # fmt: skip
+            accx = tl.dot(tl.trans(vx.to(dot_t)), p.to(dot_t), accx * alpha[None, :], input_precision=PREC)
+
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     vs = vsum[None, :]
-    obase = out_ptr + pid_s * stride_os + tok_c[None, :] * stride_ot + hq[None, :] * D
+    obase = out_ptr + pid_s * stride_os + tok_c[None, :] * stride_ot + hq[None, :] * (NPART * D)
+    if HAS_EXACT:
+        tl.store(obase + D + d[:, None], (accx / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
     _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SW, D)
     _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SW, D)
     _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SW, D)
@@ -275,22 +347,29 @@ def launch(
     block_n: int,
     stages: int,
     key: tuple,
+    exact: tuple,
 ) -> None:
     """Launch over (request x KV head, split) with `paged_decode.decode_attention`'s prepared buffers;
-    the first launch of a configuration records its occupancy for `plan`."""
+    the first launch of a configuration records its occupancy for `plan`. `exact`: (unrotated q, this
+    step's k / v, ring k / v, sink k / v) for layouts with exact copies (the launcher's placeholders
+    otherwise)."""
     T, hq, d = q.shape
     hkv = kp.shape[1]
+    qx, k_new, v_new, rk, rv, sk, sv = exact
+    npart = 2 if layout.sink or layout.window else 1
     grid = (meta.num_reqs * hkv, splits)
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
-        q.stride(0), meta.block_tables.stride(0), stride_os, hq * d, lse.stride(0) if splits > 1 else 0, hq,
-        split_n, qk_scale,
+        qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots,
+        q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
+        qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=cols(meta.max_query_len, hq // hkv), D=d,
         BS=kp.shape[2], BLOCK_N=block_n,
         KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, SW=S,
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
-        SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, num_warps=warps, num_stages=stages,
+        SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
+        num_warps=warps, num_stages=stages, **({"maxnreg": EXACT_MAXNREG} if npart == 2 and EXACT_MAXNREG else {}),
     )  # fmt: skip
     if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):
         _record_occupancy(key, kernel, warps, q.device)
