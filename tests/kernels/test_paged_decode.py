@@ -125,15 +125,17 @@ def test_launch_configs():
     assert paged_decode.program_rows(1, 4) == 16 and paged_decode.program_rows(5, 4) == 32
     assert paged_decode.program_rows(5, 7) == 64  # GQA 7 pads to 8
     nw = narrow.NUM_WARPS
-    assert narrow.launch_config(128, False) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES)
-    assert narrow.launch_config(128, True) == (nw, narrow.CB_VALUES_BLOCK_N, narrow.CB_VALUES_STAGES)
-    assert narrow.launch_config(256, True) == (nw, narrow.WIDE_D_BLOCK_N, narrow.WIDE_D_STAGES)
-    assert narrow.launch_config(64, True) == (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES)
-    verify = (narrow.VERIFY_NUM_WARPS, narrow.VERIFY_BLOCK_N, narrow.VERIFY_STAGES)
+    assert narrow.launch_config(128, False) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES, 0)
+    assert narrow.launch_config(128, True) == (nw, narrow.CB_VALUES_BLOCK_N, narrow.CB_VALUES_STAGES, 0)
+    assert narrow.launch_config(256, True) == (nw, narrow.WIDE_D_BLOCK_N, narrow.WIDE_D_STAGES, 0)
+    assert narrow.launch_config(64, True) == (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES, 0)
+    verify = (narrow.VERIFY_NUM_WARPS, narrow.VERIFY_BLOCK_N, narrow.VERIFY_STAGES, 0)
     assert narrow.launch_config(128, False, 32) == verify and narrow.launch_config(64, True, 32) == verify
     assert narrow.launch_config(64, True, 16) == narrow.launch_config(64, True, 8)
-    assert narrow.launch_config(128, True, 8, True) == (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_STAGES)
-    assert narrow.launch_config(64, True, 8, True) == narrow.launch_config(64, True)
+    # exact copies: their own table at d >= 128, a register cap at d < 128
+    assert narrow.launch_config(128, True, 8, True) == (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_STAGES, 0)
+    small_exact = (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES, narrow.SMALL_D_EXACT_MAXNREG)
+    assert narrow.launch_config(64, True, 8, True) == small_exact
 
 
 def test_narrow_splits_fill_one_wave():

@@ -24,6 +24,12 @@ Everything else follows `paged.py`: rows are (query token, head of the GQA group
 buffer (`_load_exact`) in a pass after the packed loop; exact values accumulate in a second output
 part; split-K partials are combined by `_split_reduce_kernel`; rotated values are rotated back once.
 Launch configurations (warps, key tile, split-K target, pipeline stages) come from `launch_config`.
+
+`decode_attention` hands steps the narrow kernel serves (`paged_decode_narrow.eligible`: decode and
+verify of layouts without exact copies, decode of exact-copy layouts whose requests fill the SMs) to
+`paged_decode_narrow`, which reuses the slice decoders here with the dots turned around; this module's
+kernel keeps the rest (verify of exact-copy layouts, GQA groups past the narrow kernel's columns, few
+long requests of exact-copy layouts) and serves everything with `paged_decode_narrow.ENABLED = False`.
 """
 
 from __future__ import annotations

@@ -43,19 +43,19 @@ MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `pa
 # ... of layouts with exact sink / window copies: the exact pass's [d, N] query and accumulator come
 # on top (verify steps of a group of 4, 32 columns, stay on `paged_decode`'s phased exact pass)
 MAX_EXACT_COLS = 16
-# Register cap of kernels with the exact pass (0: none): its [16, d] exact key / value tiles would set
-# the register count of the whole kernel (255 at d = 128) and halve the resident programs; capped, the
-# short exact pass spills (tq3, 32 x 32K: 168 -> 0.703 ms, 128 -> 0.752, none 0.739 at 64-key tiles,
-# 0.967 at 32-key tiles).
-EXACT_MAXNREG = 168
+# Register cap of d < 128 kernels with the exact pass (0: none): the pass's [16, d] exact key / value
+# tiles set the register count of the whole kernel, capped the short pass spills instead (tq3 at
+# SmolLM2's 9 / 3 / 64, 64 x 4K: 168 -> 0.0661 ms, none 0.0698, 128 0.0837). At d = 128 no cap (32 x
+# 32K, 64-key tiles: none 0.656 ms, 168 0.702, 128 0.750).
+SMALL_D_EXACT_MAXNREG = 168
 # Launch table (warps, key tile, pipeline stages), tuned on the H100 with CUDA-graph replays
 # (`benchmarks/decode_ab.py --variants`, docs/benchmarks.md, ninth session), one warp throughout:
 # - d = 128, min-max values: 32-key tiles, 3 stages (128 registers: 16 programs per SM);
 # - d = 128, codebook values (shuffle tables, more registers): 64-key tiles, 2 stages (32-key
 #   tiles 10% slower at 32 x 32K);
 # - d = 256: 32-key tiles, 2 stages (tq_k4v4_nc, 16 / 2 heads, 32 x 32K: 26% faster than 64);
-# - d >= 128 with exact copies: 32-key tiles, 2 stages, registers capped (`EXACT_MAXNREG`);
-# - d < 128: 64-key tiles, 3 stages;
+# - d >= 128 with exact copies: 64-key tiles, 2 stages;
+# - d < 128: 64-key tiles, 3 stages (with exact copies registers capped, `SMALL_D_EXACT_MAXNREG`);
 # - more than 16 columns (verify steps of GQA groups of 4 and more): 32-key tiles, 2 stages (32 x 5 x
 #   32K: 4bit_nc 1.105 ms, `paged_decode`'s kernel 1.117; tq_k4v4_ub 1.003 / 1.033; two warps 1.46,
 #   four 3.2, 64-key tiles 1.11, 3 stages 1.69 - though one warp spills ~58 instructions there).
@@ -66,7 +66,7 @@ CB_VALUES_BLOCK_N = 64
 CB_VALUES_STAGES = 2
 WIDE_D_BLOCK_N = 32
 WIDE_D_STAGES = 2
-EXACT_BLOCK_N = 32  # d >= 128 with exact copies (tq3, 32 x 32K: 0.703 ms; 64-key tiles 0.704)
+EXACT_BLOCK_N = 64  # d >= 128 with exact copies (tq3, 32 x 32K: 0.656 ms; 3 stages 1.00)
 EXACT_STAGES = 2
 SMALL_D_BLOCK_N = 64
 SMALL_D_STAGES = 3
@@ -100,19 +100,21 @@ def cols(max_query_len: int, group: int) -> int:
     return max(8, triton.next_power_of_2(max(1, max_query_len) * group))
 
 
-def launch_config(head_dim: int, codebook_values: bool, n_cols: int = 8, exact: bool = False) -> tuple[int, int, int]:
-    """(warps, key tile, pipeline stages)."""
+def launch_config(
+    head_dim: int, codebook_values: bool, n_cols: int = 8, exact: bool = False
+) -> tuple[int, int, int, int]:
+    """(warps, key tile, pipeline stages, register cap or 0)."""
     if n_cols > 16:
-        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES
+        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES, 0
     if head_dim < 128:
-        return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES
+        return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES, SMALL_D_EXACT_MAXNREG if exact else 0
     if exact:
-        return NUM_WARPS, EXACT_BLOCK_N, EXACT_STAGES
+        return NUM_WARPS, EXACT_BLOCK_N, EXACT_STAGES, 0
     if head_dim > 128:
-        return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES
+        return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES, 0
     if codebook_values:
-        return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES
-    return NUM_WARPS, BLOCK_N, NUM_STAGES
+        return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES, 0
+    return NUM_WARPS, BLOCK_N, NUM_STAGES, 0
 
 
 def resident_per_sm(n_regs: int, shared: int, warps: int, sm_regs: int = 65536, sm_shared: int = 233472) -> int:
@@ -145,11 +147,14 @@ def pick_splits(pairs: int, max_seq_len: int, block_n: int, per_sm: int, sms: in
 def plan(
     layout, head_dim: int, group: int, max_query_len: int, pairs: int, max_seq_len: int, sms: int, device
 ) -> tuple[int, int, int, int, tuple]:
-    """(warps, key tile, stages, splits, launch key) of a step over `pairs` (request, KV head)."""
+    """(warps, key tile, stages, splits, launch key) of a step over `pairs` (request, KV head); the key
+    names everything that changes the compiled kernel's registers or shared memory, the register cap
+    (`launch` passes it on) last."""
     n_cols = cols(max_query_len, group)
     exact = bool(layout.sink or layout.window)
-    warps, block_n, stages = launch_config(head_dim, layout.val_mode == CODEBOOK, n_cols, exact)
-    key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact, block_n, stages)
+    warps, block_n, stages, maxnreg = launch_config(head_dim, layout.val_mode == CODEBOOK, n_cols, exact)
+    key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
+    key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms), key
 
@@ -369,7 +374,7 @@ def launch(
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
-        num_warps=warps, num_stages=stages, **({"maxnreg": EXACT_MAXNREG} if npart == 2 and EXACT_MAXNREG else {}),
+        num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):
         _record_occupancy(key, kernel, warps, q.device)
