@@ -17,11 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-# 16 rows x 32 output columns per program: a decode step's few rows still spread over programs, and
-# the float32 FMA dot stays in registers (64-row blocks spilled ~3,700 local-memory instructions in an
-# offline sm_90 compile, triton 3.6)
-BLOCK_ROWS = 16
-BLOCK_COLS = 32
+# (rows, output columns, warps) per program by the step's row count (tokens x heads), from a sweep on
+# the H100 (CUDA-graph replays, ninth session; us, was 16 x 32 with 4 warps): up to SMALL_ROWS rows
+# 16 x 8 with 2 warps (d = 128: 32 rows 6.0 -> 3.1, 64 rows 6.0 -> 3.1, 256 rows 6.1 -> 4.4; d = 64,
+# 9 rows 3.7 -> 2.1), more rows 16 x 32 with 2 warps (d = 128: 1,024 rows 10.9 -> 7.8, 2,048 rows
+# 20.3 -> 13.1; d = 64, 576 rows 3.9 -> 2.9). One warp over 32 or more columns, and 64-column blocks
+# with 2 warps, spill (5-30x slower); 64-row blocks spilled ~3,700 instructions offline.
+SMALL_ROWS = 256
+SMALL_BLOCK = (16, 8, 2)
+BLOCK = (16, 32, 2)
 
 
 def rotate_rows_reference(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
@@ -77,7 +81,8 @@ def rotate_rows_kernel(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return y
     dp = max(16, triton.next_power_of_2(d))
-    bc = min(BLOCK_COLS, dp)
-    grid = (triton.cdiv(m, BLOCK_ROWS), triton.cdiv(d, bc))
-    _rotate_kernel[grid](x, rot, y, m, x.stride(0), H=heads, D=d, DP=dp, BM=BLOCK_ROWS, BC=bc, num_warps=4)
+    bm, bc, warps = SMALL_BLOCK if m <= SMALL_ROWS else BLOCK
+    bc = min(bc, dp)
+    grid = (triton.cdiv(m, bm), triton.cdiv(d, bc))
+    _rotate_kernel[grid](x, rot, y, m, x.stride(0), H=heads, D=d, DP=dp, BM=bm, BC=bc, num_warps=warps)
     return y
