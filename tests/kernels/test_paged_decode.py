@@ -188,6 +188,32 @@ def test_narrow_verify_matches_reference(preset, hq, hkv, d, narrow_spy):
     assert len(narrow_spy) == 2
 
 
+def test_narrow_gets_two_word_decoders(monkeypatch):
+    """2-bit codebook values of 32-row verify programs use byte-word decoders (`shfl_slices_b8`, four
+    words per register) in `paged_decode`'s kernel only; the narrow kernel must be handed the
+    two-words-per-register ones. (The interpreter runs no inline PTX, so the decoders are stand-ins
+    and the launch is recorded, not run.)"""
+    monkeypatch.setattr(paged_decode, "_asm_for", lambda layout, side, bits: (f"{side}-pair",) * 4)
+    monkeypatch.setattr(paged_decode, "_asm_b8", lambda layout: ("v-bytes",) * 4)
+    got = {}
+
+    def record(*args, **kw):
+        got["vasm"] = args[17]
+        raise StopIteration  # nothing to run
+
+    monkeypatch.setattr(narrow, "launch", record)
+    hq, hkv, d, ctx, ql = 8, 2, 128, [40, 20], [5, 5]
+    fmt = make_layer_format("tq_k4v2_nc", 3, hkv, d, torch.bfloat16)
+    meta = make_meta(ctx, ql, 16, 12, DEV)
+    store = KVCacheStore([fmt], 12, 16, 3, 3, DEV)
+    q, k, v = (torch.randn(sum(ql), h, d).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+    lay = layout_for_format(fmt, DEV)
+    assert narrow.eligible(lay, 5, hq // hkv)
+    with pytest.raises(StopIteration):
+        paged_decode.decode_attention(q, k, v, store.pages[0], lay, meta, d**-0.5)
+    assert got["vasm"] == ("v-pair",) * 4
+
+
 @pytest.mark.parametrize("preset", SLICED)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (12, 3, 64)])
 def test_verify_matches_reference(preset, hq, hkv, d, spy, monkeypatch):

@@ -813,7 +813,8 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     byte_vals = (
         layout.val_mode == CODEBOOK and layout.val_bits == 2 and bq * gp >= BYTE_VALUES_ROWS and d >= BYTE_VALUES_MIN_D
     )
-    vb8 = byte_vals and bool(vasm[0]) and LOOKUP == "shfl"
+    # (the narrow kernel takes the two-words-per-register decoders: no byte-word variant there)
+    vb8 = byte_vals and bool(vasm[0]) and LOOKUP == "shfl" and not use_narrow
     if vb8:
         vasm = _asm_b8(layout)
     stride_os = part.stride(0) if not direct else 0
