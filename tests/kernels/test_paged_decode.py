@@ -38,7 +38,7 @@ if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 # 4-bit codebook values, 2-bit keys.
 SLICED = ["turboquant_4bit_nc", "tq3", "tq3s", "tq_k4v4_nc", "tq_k2v4_nc"]
 NARROW = ["turboquant_4bit_nc", "tq_k4v4_nc", "tq_k2v4_nc", "tq_k4v4_ub", "tq_k4v2_nc"]  # no exact copies
-NARROW_EXACT = ["tq3", "tq3s"]  # sink + window copies: decode steps (up to 16 columns) only
+NARROW_EXACT = ["tq3", "tq3s"]  # sink + window copies (their exact pairs: split 0)
 
 
 def _count(monkeypatch, module, name: str) -> list:
@@ -93,10 +93,9 @@ def test_eligibility(monkeypatch):
         assert narrow.eligible(lay(p), 5, 4) and narrow.eligible(lay(p), 8, 3), p  # 20 -> 32, 24 -> 32
         assert not narrow.eligible(lay(p), 5, 8) and not narrow.eligible(lay(p), 1, 33), p  # 64 columns
         assert not narrow.eligible(lay(p), 9, 1), p  # past MAX_QUERY_LEN
-    for p in NARROW_EXACT:  # the exact pass's [d, N] query and accumulator: at most 16 columns
-        assert narrow.eligible(lay(p), 1, 4) and narrow.eligible(lay(p), 1, 16) and narrow.eligible(lay(p), 5, 3), p
-        assert not narrow.eligible(lay(p), 5, 4) and not narrow.eligible(lay(p), 1, 17), p
-        assert not narrow.eligible(lay(p), 1, 4, pairs=8, sms=132), p  # few pairs: paged_decode's FEW table
+    for p in NARROW_EXACT:  # exact copies: the same columns (their exact pairs get a program apart)
+        assert narrow.eligible(lay(p), 1, 4) and narrow.eligible(lay(p), 5, 4) and narrow.eligible(lay(p), 1, 32), p
+        assert not narrow.eligible(lay(p), 5, 8) and not narrow.eligible(lay(p), 1, 33), p
     assert narrow.cols(1, 1) == 8 and narrow.cols(1, 3) == 8 and narrow.cols(1, 16) == 16
     assert narrow.cols(5, 4) == 32 and narrow.cols(5, 3) == 16 and narrow.cols(2, 4) == 8
 
@@ -134,8 +133,9 @@ def test_launch_configs():
     assert narrow.launch_config(64, True, 16) == narrow.launch_config(64, True, 8)
     # exact copies: their own table at d >= 128, a register cap at d < 128
     assert narrow.launch_config(128, True, 8, True) == (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_STAGES, 0)
-    small_exact = (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES, narrow.SMALL_D_EXACT_MAXNREG)
-    assert narrow.launch_config(64, True, 8, True) == small_exact
+    small_exact = (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES)
+    assert narrow.launch_config(64, True, 8, True) == (*small_exact, narrow.SMALL_D_EXACT_DECODE_MAXNREG)
+    assert narrow.launch_config(64, True, 16, True) == (*small_exact, narrow.SMALL_D_EXACT_MAXNREG)
 
 
 def test_narrow_splits_fill_one_wave():
@@ -181,11 +181,22 @@ def test_narrow_decode_matches_reference(preset, hq, hkv, d, narrow_spy):
 def test_narrow_verify_matches_reference(preset, hq, hkv, d, narrow_spy):
     """The narrow kernel on verify batches (1 + k tokens, causal among themselves, beside a decode row):
     (token, head) columns 5 x 4 -> 32, 5 x 3 -> 16, 5 x 1 -> 8; one split and several."""
-    if preset in NARROW_EXACT and not narrow.eligible(_layout(preset, hkv, d), 5, hq // hkv):
-        pytest.skip("32 columns with exact copies: paged_decode's kernel")
     for splits in (None, 3):
         _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
     assert len(narrow_spy) == 2
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.5, 8.0])
+def test_narrow_lazy_rescale(tau, narrow_spy, monkeypatch):
+    """Lazy online-softmax rescaling (accumulators rescaled only when a column's maximum grows by more
+    than LAZY_TAU) on decode and verify batches, exact-copy layouts included; 0.5 rescales often,
+    8 rarely (random scores), 0 every tile."""
+    monkeypatch.setattr(narrow, "LAZY_TAU", tau)
+    monkeypatch.setattr(narrow, "LAZY_MIN_COLS", 8)
+    for splits in (None, 3):
+        _check_one_step("turboquant_4bit_nc", 8, 2, 128, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
+        _check_one_step("tq3", 12, 3, 64, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
+    assert len(narrow_spy) == 4
 
 
 def test_narrow_gets_two_word_decoders(monkeypatch):
@@ -237,7 +248,7 @@ def test_exact_pass_variants(phased_rows, chunks, fold, byte_rows, spy, monkeypa
     monkeypatch.setattr(paged_decode, "EXACT_CHUNKS", chunks)
     monkeypatch.setattr(paged_decode, "FOLD_EXACT_MASK", fold)
     monkeypatch.setattr(paged_decode, "BYTE_VALUES_ROWS", byte_rows)
-    monkeypatch.setattr(narrow, "ENABLED", False)  # decode steps of tq3 / tq3s would go there
+    monkeypatch.setattr(narrow, "ENABLED", False)  # tq3 / tq3s steps would go there
     for splits in (None, 3):
         _check_one_step("tq3", 8, 2, 128, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
         _check_one_step("tq3s", 8, 2, 64, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
@@ -263,21 +274,27 @@ def test_store_then_decode_steps(preset, spy):
 )  # fmt: skip
 @pytest.mark.parametrize("narrow_on", [True, False])
 def test_decode_gpu_real_sizes(preset, hq, hkv, d, narrow_on, spy, monkeypatch):
+    """Real sizes, both kernels (exact-copy layouts too), decode with one and many splits, verify."""
     monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     _check_one_step(preset, hq, hkv, d, [9000, 3000, 17, 1], [1, 1, 1, 1], seed=1)
     _check_one_step(preset, hq, hkv, d, [20000], [1], seed=2)  # one long request: split-K
-    assert len(spy) == 2
+    _check_one_step(preset, hq, hkv, d, [5000, 2047, 64], [5, 5, 5], seed=3)  # verify
+    verify_here = paged_decode.eligible(_layout(preset, hkv, d), 5, d, hq // hkv)  # GQA 7: 64 rows, general kernel
+    assert len(spy) == 2 + verify_here
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lookup", ["shfl", "prmt"])
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub"])
+@pytest.mark.parametrize(
+    "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc"]
+)
 @pytest.mark.parametrize(("qlen", "narrow_on"), [(1, True), (1, False), (5, True), (5, False)])
 def test_asm_decoders_equal_gathers(preset, lookup, qlen, narrow_on, monkeypatch):
-    """The inline-PTX slice decoders (shuffle or PRMT codebook lookups, magic-number min-max values)
-    must produce the fp16 operands bit for bit: outputs identical to the gather path on the same
-    pages, for decode (both kernels) and for verify rows."""
+    """The inline-PTX slice decoders (shuffle or PRMT codebook lookups, pair tables of 2-bit codes,
+    magic-number min-max values) must produce the fp16 operands bit for bit: outputs identical to the
+    gather path on the same pages, for decode (both kernels) and for verify rows (tq3's through the
+    narrow kernel too)."""
     monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     d, hq, hkv, bs = 128, 32, 8, 16
     ctx = [3000, 777, 1500]

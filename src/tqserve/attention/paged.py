@@ -576,20 +576,19 @@ def _load_exact(
     seq_slot, sink_slot, kvh, HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Exact K or V rows [BN, DP] for key positions n: this step's tokens from the fresh tensor,
-    older ones from the sink buffer (p < S) or the ring (entry p % W). Unneeded rows load zeros."""
+    older ones from the sink buffer (p < S) or the ring (entry p % W). Unneeded rows load zeros.
+    One load through a per-row source pointer (three masked loads summed held three tiles of
+    registers and their zero fills: the narrow kernel's exact pass reached 255 registers)."""
     fresh = n >= ctx
-    dm = dmask[None, :]
     rel = (q_start + n - ctx).to(tl.int64)
-    x = tl.load(new_ptr + rel[:, None] * stride_nt + kvh * D + d[None, :], mask=(need & fresh)[:, None] & dm, other=0.0)
+    row = new_ptr + rel * stride_nt + kvh * D
     if SINK > 0:
         srow = (sink_slot * HKV + kvh) * SINK + n
-        sm = need & (~fresh) & (n < SINK)
-        x += tl.load(sink_ptr + srow[:, None] * D + d[None, :], mask=sm[:, None] & dm, other=0.0)
+        row = tl.where((~fresh) & (n < SINK), sink_ptr + srow * D, row)
     if WINDOW > 0:
         rrow = (seq_slot * HKV + kvh) * WINDOW + n % WINDOW
-        rm = need & (~fresh) & (n >= SINK)
-        x += tl.load(ring_ptr + rrow[:, None] * D + d[None, :], mask=rm[:, None] & dm, other=0.0)
-    return x
+        row = tl.where((~fresh) & (n >= SINK), ring_ptr + rrow * D, row)
+    return tl.load(row[:, None] + d[None, :], mask=need[:, None] & dmask[None, :], other=0.0)
 
 
 @triton.jit(do_not_specialize=["n_splits", "stride_ls"])  # split count, tokens x heads

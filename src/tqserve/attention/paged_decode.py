@@ -26,10 +26,9 @@ part; split-K partials are combined by `_split_reduce_kernel`; rotated values ar
 Launch configurations (warps, key tile, split-K target, pipeline stages) come from `launch_config`.
 
 `decode_attention` hands steps the narrow kernel serves (`paged_decode_narrow.eligible`: decode and
-verify of layouts without exact copies, decode of exact-copy layouts whose requests fill the SMs) to
-`paged_decode_narrow`, which reuses the slice decoders here with the dots turned around; this module's
-kernel keeps the rest (verify of exact-copy layouts, GQA groups past the narrow kernel's columns, few
-long requests of exact-copy layouts) and serves everything with `paged_decode_narrow.ENABLED = False`.
+verify steps of up to 32 (query token x head) columns) to `paged_decode_narrow`, which reuses the
+slice decoders here with the dots turned around; this module's kernel keeps the rest (GQA groups past
+the narrow kernel's columns) and serves everything with `paged_decode_narrow.ENABLED = False`.
 """
 
 from __future__ import annotations
@@ -117,6 +116,9 @@ BYTE_VALUES_MIN_D = 128
 # Register cap per thread for the decode kernel (0: the compiler's choice, 255 for one-warp programs);
 # benchmarks sweep it. H200, eighth session: 200 was 3-17% slower, 168 17-32% (spills in the key loop).
 MAXNREG = 0
+# 2-bit codebooks decode through the pair table (`shfl_pair_slices`: one shuffle per two codes);
+# 0: one shuffle per code (`shfl_slices`), for A/B timing.
+PAIR_TABLES = 1
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 
 
@@ -263,6 +265,59 @@ def shfl_slices_b8(codebook16) -> tuple[str, str, str, str]:
         body += "".join(f"shr.u32 x{b}, $2, {8 * b + 2 * j};\n" for b in (1, 2, 3))
         body += "".join(f"shfl.sync.idx.b32 r{b}, tb, x{b}, 0x1f, 0xffffffff;\n" for b in range(4))
         body += "prmt.b32 $0, r0, r1, 0x5410;\nprmt.b32 $1, r2, r3, 0x5410;\n"
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
+def _pair_table(codebook16) -> str:
+    """PTX building the pair table of a 2-bit codebook: lane l holds fp16x2 (c[l & 3], c[(l >> 2) & 3])
+    (period 16, so bit 4 of a source lane is free), from immediates by PRMT - lane-only, so ptxas
+    hoists it out of the key loop like `shfl_slices`' table."""
+    import torch
+
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 4
+    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
+    lo = _byte_words([v & 0xFF for v in raw])[0]
+    hi = _byte_words([v >> 8 for v in raw])[0]
+    # PRMT selector nibbles (a, 4 + a, b, 4 + b): lo / hi byte of c[a], then of c[b]
+    return (
+        f"mov.b32 L0, {lo:#x};\nmov.b32 H0, {hi:#x};\nmov.u32 l, %laneid;\n"
+        "and.b32 a, l, 3;\nshr.u32 b, l, 2;\nand.b32 b, b, 3;\nshl.b32 t, b, 8;\nor.b32 t, t, a;\n"
+        "mul.lo.u32 t, t, 0x11;\nadd.u32 t, t, 0x4040;\nprmt.b32 tb, L0, H0, t;\n"
+    )
+
+
+def _pair_select(dst: str, src: str, lo_shift: int, hi_shift: int) -> str:
+    """PTX: dst = source lane of the pair table for two 2-bit codes of `src`, the first at bit
+    lo_shift (-> bits 1:0), the second at bit hi_shift (-> bits 3:2); bit 4 is left as it comes."""
+    a = f"shr.u32 xa, {src}, {lo_shift};\n" if lo_shift else f"mov.b32 xa, {src};\n"
+    return a + f"shr.u32 xb, {src}, {hi_shift - 2};\nlop3.b32 {dst}, xa, xb, 3, 0xe4;\n"  # (xa & 3) | (xb & ~3)
+
+
+def shfl_pair_slices(codebook16) -> tuple[str, str, str, str]:
+    """PTX of slice j = 0..3 for 2-bit codebook codes (same contract as `shfl_slices`: two 16-bit
+    words per register -> fp16x2 (c[idx_j of word 0], c[idx_j of word 1])) with ONE shuffle per pair:
+    the table holds every (c[a], c[b]) pair (16 of them), the source lane is a | b << 2. Half the
+    shuffles of `shfl_slices` (4 instructions per pair instead of 5, one of them a shuffle instead of
+    two): the shuffle pipe is what bounds codebook-value decoding (H100: tq3 and tq_k4v4_ub decode at
+    ~0.6 ms for 32 x 32K, about 16 lanes per clock per SM of shuffles)."""
+    common = ".reg .b32 l, a, b, t, tb, xa, xb, s, L0, H0;\n" + _pair_table(codebook16)
+    out = []
+    for j in range(4):
+        body = common + _pair_select("s", "$1", 2 * j, 16 + 2 * j)
+        body += "shfl.sync.idx.b32 $0, tb, s, 0x1f, 0xffffffff;\n"
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
+def shfl_pair_slices_b8(codebook16) -> tuple[str, str, str, str]:
+    """`shfl_slices_b8`'s contract (four byte words in $2 -> $0 = (c[idx_j of words 0, 1]), $1 = (of
+    words 2, 3)) with the pair table of `shfl_pair_slices`: two shuffles per four codes instead of four."""
+    common = ".reg .b32 l, a, b, t, tb, xa, xb, s0, s1, L0, H0;\n" + _pair_table(codebook16)
+    out = []
+    for j in range(4):
+        body = common + _pair_select("s0", "$2", 2 * j, 8 + 2 * j) + _pair_select("s1", "$2", 16 + 2 * j, 24 + 2 * j)
+        body += "shfl.sync.idx.b32 $0, tb, s0, 0x1f, 0xffffffff;\nshfl.sync.idx.b32 $1, tb, s1, 0x1f, 0xffffffff;\n"
         out.append("{\n" + body + "}")
     return tuple(out)
 
@@ -696,26 +751,31 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
     if LOOKUP == "prmt" and bits != 4:
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    if (side, LOOKUP) not in cache:
+    key = (side, LOOKUP, PAIR_TABLES)
+    if key not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
         host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
-        if LOOKUP == "shfl":
-            cache[side, LOOKUP] = shfl_slices(host, bits)
+        if LOOKUP == "shfl" and bits == 2 and PAIR_TABLES:
+            cache[key] = shfl_pair_slices(host)
+        elif LOOKUP == "shfl":
+            cache[key] = shfl_slices(host, bits)
         else:
             tables = prmt_tables(host)
-            cache[side, LOOKUP] = prmt_slices(tables) if tables is not None else none
-    return cache[side, LOOKUP]
+            cache[key] = prmt_slices(tables) if tables is not None else none
+    return cache[key]
 
 
 def _asm_b8(layout) -> tuple[str, str, str, str]:
-    """`shfl_slices_b8` of the layout's 2-bit value codebook (cached like `_asm_for`)."""
+    """`shfl_pair_slices_b8` (or with PAIR_TABLES = 0 `shfl_slices_b8`) of the layout's 2-bit value
+    codebook (cached like `_asm_for`)."""
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    if "vb8" not in cache:
+    if ("vb8", PAIR_TABLES) not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
-        cache["vb8"] = shfl_slices_b8(tq_codebook(2, layout.head_dim)[0].half())
-    return cache["vb8"]
+        host = tq_codebook(2, layout.head_dim)[0].half()
+        cache["vb8", PAIR_TABLES] = shfl_pair_slices_b8(host) if PAIR_TABLES else shfl_slices_b8(host)
+    return cache["vb8", PAIR_TABLES]
 
 
 def launch_config(
@@ -771,7 +831,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     exact_copies = bool(layout.sink or layout.window)
     from tqserve.attention import paged_decode_narrow as narrow  # imports this module's helpers
 
-    use_narrow = narrow.eligible(layout, meta.max_query_len, group, meta.num_reqs * hkv, _num_sms(dev))
+    use_narrow = narrow.eligible(layout, meta.max_query_len, group)
     if use_narrow:
         warps, block_n, stages, splits, narrow_key = narrow.plan(
             layout, d, group, meta.max_query_len, meta.num_reqs * hkv, meta.max_seq_len, _num_sms(dev), dev
@@ -783,6 +843,8 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     tiles = triton.cdiv(max(1, meta.max_seq_len), block_n)
     split_n = triton.cdiv(tiles, splits) * block_n
     splits = triton.cdiv(tiles * block_n, split_n)
+    if use_narrow and exact_copies:
+        splits += 1  # the exact-pairs program's part comes first
 
     qx = q
     model_f32 = qx.dtype == torch.float32

@@ -20,10 +20,11 @@ consecutive keys (values), as there. Split-K fills one wave of resident programs
 
 Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_COLS columns over the
 `paged_decode.eligible` layouts (2- / 4-bit codebook keys, 2- / 4-bit codebook or min-max values).
-Layouts with exact sink / window copies (tq3) come here for up to MAX_EXACT_COLS columns when the
-requests fill the SMs: the packed loop masks the pairs the exact rule claims, and an exact pass after
-it reads those keys and values from the fresh tensors, the ring and the sink buffer (unrotated query,
-exact values accumulated in the output's second part). The output contract (split-K partials,
+Layouts with exact sink / window copies (tq3) come here too: the packed loop masks the pairs the
+exact rule claims, and split 0 of every (request, KV head) is a program of its own that reads those
+keys and values from the fresh tensors, the ring and the sink buffer (unrotated query, exact values
+accumulated in the output's second part), so the packed programs carry none of its registers. (An
+exact pass after each split's packed loop held the kernel at 255 registers.) The output contract (split-K partials,
 log-sum-exp, rotated values, the exact part) is `paged_decode`'s; its launcher calls `plan` and
 `launch` here.
 """
@@ -33,21 +34,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqserve.attention.paged import CODEBOOK, _interpreting, _load_exact, _tile_rows
+from tqserve.attention.paged import CODEBOOK, _exact_masks, _interpreting, _load_exact, _tile_rows
 from tqserve.attention.paged_decode import S, _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
 ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
-# ... of layouts with exact sink / window copies: the exact pass's [d, N] query and accumulator come
-# on top (verify steps of a group of 4, 32 columns, stay on `paged_decode`'s phased exact pass)
-MAX_EXACT_COLS = 16
-# Register cap of d < 128 kernels with the exact pass (0: none): the pass's [16, d] exact key / value
-# tiles set the register count of the whole kernel, capped the short pass spills instead (tq3 at
-# SmolLM2's 9 / 3 / 64, 64 x 4K: 168 -> 0.0661 ms, none 0.0698, 128 0.0837). At d = 128 no cap (32 x
-# 32K, 64-key tiles: none 0.656 ms, 168 0.702, 128 0.750).
+# Register cap of d < 128 kernels of exact-copy layouts (0: none), decode (8 columns) / wider steps
+# (tq3 at SmolLM2's 9 / 3 / 64, 64 x 4K, tenth session: decode 128 -> 0.0602 ms, 168 0.0636, none
+# 0.0634; verify 64 x 5 x 4K 168 -> 0.0875, none 0.0895, 128 0.0962).
+SMALL_D_EXACT_DECODE_MAXNREG = 128
 SMALL_D_EXACT_MAXNREG = 168
+MAXNREG = 0  # register cap of every other configuration (0: the compiler's choice); benchmarks sweep it
 # Launch table (warps, key tile, pipeline stages), tuned on the H100 with CUDA-graph replays
 # (`benchmarks/decode_ab.py --variants`, docs/benchmarks.md, ninth session), one warp throughout:
 # - d = 128, min-max values: 32-key tiles, 3 stages (128 registers: 16 programs per SM);
@@ -59,6 +58,13 @@ SMALL_D_EXACT_MAXNREG = 168
 # - more than 16 columns (verify steps of GQA groups of 4 and more): 32-key tiles, 2 stages (32 x 5 x
 #   32K: 4bit_nc 1.105 ms, `paged_decode`'s kernel 1.117; tq_k4v4_ub 1.003 / 1.033; two warps 1.46,
 #   four 3.2, 64-key tiles 1.11, 3 stages 1.69 - though one warp spills ~58 instructions there).
+# Lazy online-softmax rescaling (0: off): the [d, N] accumulators are rescaled only when a column's
+# running maximum grows by more than LAZY_TAU (log2 units; p stays below 2^LAZY_TAU, fine for the fp16
+# p x scale operand and the float32 sums), for steps of at least LAZY_MIN_COLS columns.
+# H100, tenth session, 4bit_nc 32 x 5 x 32K: tau 8 1.081 ms, off 1.120 (3 and 8 alike); decode steps
+# (8 columns) gain nothing (0.545 vs 0.529 ms at 32 x 32K), so only verify steps take it.
+LAZY_TAU = 8.0
+LAZY_MIN_COLS = 32
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -66,7 +72,7 @@ CB_VALUES_BLOCK_N = 64
 CB_VALUES_STAGES = 2
 WIDE_D_BLOCK_N = 32
 WIDE_D_STAGES = 2
-EXACT_BLOCK_N = 64  # d >= 128 with exact copies (tq3, 32 x 32K: 0.656 ms; 3 stages 1.00)
+EXACT_BLOCK_N = 64  # d >= 128 with exact copies (tq3, 32 x 32K: 0.579 ms; 32-key tiles at 128 registers 0.575)
 EXACT_STAGES = 2
 SMALL_D_BLOCK_N = 64
 SMALL_D_STAGES = 3
@@ -83,15 +89,15 @@ GUESS_PER_SM = {32: 16, 64: 8, 128: 4}
 _RESIDENT: dict[tuple, int] = {}  # launch key -> resident programs per SM of its compiled kernel
 
 
-def eligible(layout, max_query_len: int, group: int, pairs: int = 1 << 30, sms: int = 1) -> bool:
+def eligible(layout, max_query_len: int, group: int) -> bool:
     """Decode and verify steps (up to MAX_QUERY_LEN tokens, at most MAX_COLS columns) of
-    `paged_decode`-eligible layouts; with exact copies at most MAX_EXACT_COLS columns, and only when
-    the (request, KV head) `pairs` fill the `sms` (1 x 128K tq3: 0.151 ms here, 0.145 there)."""
-    if not ENABLED or max_query_len > MAX_QUERY_LEN:
-        return False
-    if layout.sink or layout.window:
-        return cols(max_query_len, group) <= MAX_EXACT_COLS and pairs >= sms
-    return cols(max_query_len, group) <= MAX_COLS
+    `paged_decode`-eligible layouts, with or without exact sink / window copies."""
+    return ENABLED and max_query_len <= MAX_QUERY_LEN and cols(max_query_len, group) <= MAX_COLS
+
+
+def lazy_tau(n_cols: int) -> float:
+    """The lazy-rescaling threshold of steps with `n_cols` columns (0.0: rescale every tile)."""
+    return float(LAZY_TAU) if n_cols >= LAZY_MIN_COLS else 0.0
 
 
 def cols(max_query_len: int, group: int) -> int:
@@ -105,16 +111,17 @@ def launch_config(
 ) -> tuple[int, int, int, int]:
     """(warps, key tile, pipeline stages, register cap or 0)."""
     if n_cols > 16:
-        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES, 0
+        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES, MAXNREG
     if head_dim < 128:
-        return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES, SMALL_D_EXACT_MAXNREG if exact else 0
+        cap = (SMALL_D_EXACT_DECODE_MAXNREG if n_cols <= 8 else SMALL_D_EXACT_MAXNREG) if exact else MAXNREG
+        return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES, cap
     if exact:
-        return NUM_WARPS, EXACT_BLOCK_N, EXACT_STAGES, 0
+        return NUM_WARPS, EXACT_BLOCK_N, EXACT_STAGES, MAXNREG
     if head_dim > 128:
-        return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES, 0
+        return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES, MAXNREG
     if codebook_values:
-        return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES, 0
-    return NUM_WARPS, BLOCK_N, NUM_STAGES, 0
+        return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES, MAXNREG
+    return NUM_WARPS, BLOCK_N, NUM_STAGES, MAXNREG
 
 
 def resident_per_sm(n_regs: int, shared: int, warps: int, sm_regs: int = 65536, sm_shared: int = 233472) -> int:
@@ -154,7 +161,7 @@ def plan(
     exact = bool(layout.sink or layout.window)
     warps, block_n, stages, maxnreg = launch_config(head_dim, layout.val_mode == CODEBOOK, n_cols, exact)
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
-    key += (warps, block_n, stages, maxnreg)
+    key += (lazy_tau(n_cols), warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms), key
 
@@ -175,11 +182,56 @@ def _store_cols(obase, acc, l_safe, h_ok, j: tl.constexpr, S: tl.constexpr, D: t
 
 @triton.jit
 def _acc_cols(
-    acc, alpha, pv, vw, j: tl.constexpr, vcb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+    acc, pv, vw, j: tl.constexpr, vcb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
     PK_T: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """acc_j^T [d / S, N] rescaled, plus the value slice j [d / S, keys] times p^T [keys, N]."""
-    return tl.dot(_v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T), pv, acc * alpha[None, :], input_precision=PREC)
+    """acc_j^T [d / S, N] plus the value slice j [d / S, keys] times p^T [keys, N]."""
+    return tl.dot(_v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T), pv, acc, input_precision=PREC)
+
+
+@triton.jit
+def _exact_program(
+    obase, lse_row, qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr,
+    req, kvh, hq, h_ok, tok_c, qpos, q_start, ctx, seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale,
+    HKV: tl.constexpr, D: tl.constexpr, N: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_X: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Split 0 of a (request, KV head) of an exact-copy layout: the exact sink / window pairs, read from
+    the fresh tensors, the ring and the sink buffer with the unrotated query, accumulated in the
+    output's second part (zeros in the first), with their log-sum-exp for the split-K combine."""
+    d = tl.arange(0, D)
+    dot_t = kn_ptr.dtype.element_ty if not DOT_F32 else tl.float32
+    qx = tl.load(qx_ptr + tok_c[None, :] * stride_qxt + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0)
+    qx = (qx.to(tl.float32) * qk_scale).to(dot_t)  # [d, N]
+    seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
+    sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
+    n_sink, sink_hi, win_lo, x_tiles = _x_range(0, seq_len, ctx, SINK, WINDOW, BLOCK_X)
+    m_i = tl.full([N], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([N], dtype=tl.float32)
+    accx = tl.zeros([D, N], dtype=tl.float32)
+    for xt in tl.range(0, x_tiles, num_stages=1):  # a few tiles: not worth pipeline registers
+        n, nmask = _x_tile(xt, 0, seq_len, n_sink, sink_hi, win_lo, BLOCK_X)
+        need, ex = _exact_masks(n, qpos, ctx, SINK, WINDOW)  # ex: [columns, keys]
+        kx = _load_exact(
+            kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
+            seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+        )  # fmt: skip
+        s = tl.dot(kx.to(dot_t), qx, input_precision=PREC)  # [BLOCK_X, N]
+        s = tl.where(tl.trans(ex) & nmask[:, None] & (n[:, None] <= qpos[None, :]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+        vx = _load_exact(
+            vn_ptr, rv_ptr, sv_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_vnt,
+            seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
+        )  # fmt: skip
+        accx = tl.dot(tl.trans(vx.to(dot_t)), p.to(dot_t), accx * alpha[None, :], input_precision=PREC)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    tl.store(obase + d[:, None], tl.zeros_like(accx).to(obase.dtype.element_ty), mask=h_ok[None, :])
+    tl.store(obase + D + d[:, None], (accx / l_safe[None, :]).to(obase.dtype.element_ty), mask=h_ok[None, :])
+    tl.store(lse_row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=h_ok)
 
 
 @triton.jit(do_not_specialize=["stride_ls"])
@@ -194,7 +246,7 @@ def _narrow_decode_kernel(
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-    SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr,
+    SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -209,7 +261,8 @@ def _narrow_decode_kernel(
     if qlen == 0:  # a request without query tokens (graph padding)
         return
     seq_len = tl.load(seqlen_ptr + req)
-    lo = pid_s * split_n
+    packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
+    lo = packed_s * split_n
     hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
 
     # columns: (query token t, head h of the group), t-major; padded columns have zero queries
@@ -221,6 +274,15 @@ def _narrow_decode_kernel(
     tok_c = (q_start + t).to(tl.int64)
     qpos = seq_len - qlen + t
     tok = tok_c[None, :] * stride_qt
+    obase = out_ptr + pid_s * stride_os + tok_c[None, :] * stride_ot + hq[None, :] * (NPART * D)
+    if HAS_EXACT:
+        if pid_s == 0:  # the exact pairs: a program of their own, apart from the packed loop's registers
+            _exact_program(
+                obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr,
+                sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, req, kvh, hq, h_ok, tok_c, qpos, q_start, seq_len - qlen,
+                seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale, HKV, D, N, SINK, WINDOW, BLOCK_X, DOT_F32, PREC,
+            )  # fmt: skip
+            return
     pk_t = tl.float32 if DOT_F32 else tl.float16  # the interpreter and float32 models compute in float32
     KV: tl.constexpr = D // SW
     q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SW, D, pk_t)
@@ -258,66 +320,49 @@ def _narrow_decode_kernel(
             s = tl.where(nmask[:, None] & (n[:, None] <= qpos[None, :]), s * ksc[:, None], float("-inf"))
         else:
             s = tl.where(nmask[:, None], s * ksc[:, None], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
-        if VAL_MODE == 2:
-            vsc, vze = _mm_terms(vsc, tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32), VAL_BITS)
-            vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
-        pv = (p * vsc[:, None]).to(pk_t)
-        a0 = _acc_cols(a0, alpha, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
-        a1 = _acc_cols(a1, alpha, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
-        a2 = _acc_cols(a2, alpha, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
-        a3 = _acc_cols(a3, alpha, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
-
-    if HAS_EXACT:
-        # ---- the exact sink / window pairs, after the packed loop: the same online softmax continues,
-        # exact values accumulate unrotated in the output's second part
-        d = tl.arange(0, D)
-        dot_t = kn_ptr.dtype.element_ty if not DOT_F32 else tl.float32
-        qx = tl.load(qx_ptr + tok_c[None, :] * stride_qxt + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0)
-        qx = (qx.to(tl.float32) * qk_scale).to(dot_t)  # [d, N]
-        seq_slot = tl.load(seqslot_ptr + req).to(tl.int64)
-        sink_slot = tl.load(sinkslot_ptr + req).to(tl.int64)
-        ctx = seq_len - qlen
-        n_sink, sink_hi, win_lo, x_tiles = _x_range(lo, hi, ctx, SINK, WINDOW, BLOCK_X)
-        accx = tl.zeros([D, N], dtype=tl.float32)
-        for xt in range(0, x_tiles):
-            n, nmask = _x_tile(xt, lo, hi, n_sink, sink_hi, win_lo, BLOCK_X)
-            need = n < SINK
-            ex = n[:, None] < SINK
-            if WINDOW > 0:
-                need = need | (n > ctx - WINDOW)
-                ex = ex | (qpos[None, :] - n[:, None] < WINDOW)
-            kx = _load_exact(
-                kn_ptr, rk_ptr, sk_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_knt,
-                seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
-            )  # fmt: skip
-            s = tl.dot(kx.to(dot_t), qx, input_precision=PREC)  # [BLOCK_X, N]
-            s = tl.where(ex & nmask[:, None] & (n[:, None] <= qpos[None, :]), s, float("-inf"))
+        if LAZY_TAU > 0:
+            # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
+            # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
+            m_tile = tl.max(s, 0)
+            if tl.max(m_tile - m_i, 0) > LAZY_TAU:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                vsum = vsum * alpha
+                a0 = a0 * alpha[None, :]
+                a1 = a1 * alpha[None, :]
+                a2 = a2 * alpha[None, :]
+                a3 = a3 * alpha[None, :]
+                m_i = m_new
+            p = tl.exp2(s - m_i[None, :])
+            l_i = l_i + tl.sum(p, 0)
+            if VAL_MODE == 2:
+                vsc, vze = _mm_terms(vsc, tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32), VAL_BITS)
+                vsum = vsum + tl.sum(p * vze[:, None], 0)
+        else:
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
-            vsum = vsum * alpha
+            if VAL_MODE == 2:
+                vsc, vze = _mm_terms(vsc, tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32), VAL_BITS)
+                vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
             a0 = a0 * alpha[None, :]
             a1 = a1 * alpha[None, :]
             a2 = a2 * alpha[None, :]
             a3 = a3 * alpha[None, :]
-            vx = _load_exact(
-                vn_ptr, rv_ptr, sv_ptr, n, nmask & need, d, d < D, ctx, q_start, stride_vnt,
-                seq_slot, sink_slot, kvh, HKV, D, SINK, WINDOW,
-            )  # fmt: skip
-            accx = tl.dot(tl.trans(vx.to(dot_t)), p.to(dot_t), accx * alpha[None, :], input_precision=PREC)
+        pv = (p * vsc[:, None]).to(pk_t)
+        a0 = _acc_cols(a0, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
+        a1 = _acc_cols(a1, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
+        a2 = _acc_cols(a2, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
+        a3 = _acc_cols(a3, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if HAS_EXACT:  # the exact pairs are split 0's
+        d = tl.arange(0, D)
+        tl.store(obase + D + d[:, None], tl.zeros([D, N], dtype=out_ptr.dtype.element_ty), mask=h_ok[None, :])
     vs = vsum[None, :]
-    obase = out_ptr + pid_s * stride_os + tok_c[None, :] * stride_ot + hq[None, :] * (NPART * D)
-    if HAS_EXACT:
-        tl.store(obase + D + d[:, None], (accx / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
     _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SW, D)
     _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SW, D)
     _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SW, D)
@@ -357,7 +402,7 @@ def launch(
     """Launch over (request x KV head, split) with `paged_decode.decode_attention`'s prepared buffers;
     the first launch of a configuration records its occupancy for `plan`. `exact`: (unrotated q, this
     step's k / v, ring k / v, sink k / v) for layouts with exact copies (the launcher's placeholders
-    otherwise)."""
+    otherwise). `splits` counts the exact-pairs program (split 0) of exact-copy layouts."""
     T, hq, d = q.shape
     hkv = kp.shape[1]
     qx, k_new, v_new, rk, rv, sk, sv = exact
@@ -374,6 +419,7 @@ def launch(
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
+        LAZY_TAU=lazy_tau(cols(meta.max_query_len, hq // hkv)),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):
