@@ -121,12 +121,15 @@ def test_two_bit_pair_decoders(pairs):
                 assert _halves(r) == (table[(w0 >> 2 * j) & 3], table[(w1 >> 2 * j) & 3]), (j, w0, w1)
 
 
-def test_two_bit_pair_decoders_byte_words():
-    """`shfl_pair_slices_b8`: four byte words per register -> two fp16x2 results, every slice."""
+@pytest.mark.parametrize("pairs", [0, 1])
+def test_two_bit_decoders_byte_words(pairs):
+    """`shfl_pair_slices_b8` and `shfl_slices_b8`: four byte words per register -> two fp16x2
+    results, every slice."""
     host = tq_codebook(2, 128)[0].half()
     table = _cb_bits(2)
     rng = np.random.default_rng(1)
-    for j, block in enumerate(paged_decode.shfl_pair_slices_b8(host)):
+    blocks = paged_decode.shfl_pair_slices_b8(host) if pairs else paged_decode.shfl_slices_b8(host)
+    for j, block in enumerate(blocks):
         for _ in range(64):
             x = [int(v) for v in rng.integers(0, 1 << 32, 32, dtype=np.uint64)]
             got = run_ptx(block, {"$2": x}, ["$0", "$1"])
@@ -136,12 +139,18 @@ def test_two_bit_pair_decoders_byte_words():
                 assert _halves(got["$1"][lane]) == (table[codes[2]], table[codes[3]])
 
 
-def test_four_bit_decoders():
-    """`shfl_slices` at 4 bits: random word pairs, every slice."""
+@pytest.mark.parametrize("lookup", ["shfl", "prmt"])
+def test_four_bit_decoders(lookup):
+    """`shfl_slices` and `prmt_slices` (symmetric codebook) at 4 bits: random word pairs, every slice."""
     host = tq_codebook(4, 128)[0].half()
     table = _cb_bits(4)
     rng = np.random.default_rng(2)
-    blocks = paged_decode.shfl_slices(host, 4)
+    if lookup == "prmt":
+        tables = paged_decode.prmt_tables(host)
+        assert tables is not None, "the 4-bit codebook is symmetric"
+        blocks = paged_decode.prmt_slices(tables)
+    else:
+        blocks = paged_decode.shfl_slices(host, 4)
     if any("setp" in b for b in blocks):  # the 4-bit table takes a predicate: emulate selp here
         blocks = [_inline_selp(b) for b in blocks]
     for j, block in enumerate(blocks):

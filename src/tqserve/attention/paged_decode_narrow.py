@@ -23,10 +23,10 @@ Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_CO
 Layouts with exact sink / window copies (tq3) come here too: the packed loop masks the pairs the
 exact rule claims, and split 0 of every (request, KV head) is a program of its own that reads those
 keys and values from the fresh tensors, the ring and the sink buffer (unrotated query, exact values
-accumulated in the output's second part), so the packed programs carry none of its registers. (An
-exact pass after each split's packed loop held the kernel at 255 registers.) The output contract (split-K partials,
-log-sum-exp, rotated values, the exact part) is `paged_decode`'s; its launcher calls `plan` and
-`launch` here.
+accumulated in the output's second part), so the packed programs carry none of its registers (an
+exact pass after each split's packed loop held the kernel at 255 registers). The output contract
+(split-K partials, log-sum-exp, rotated values, the exact part) is `paged_decode`'s; its launcher
+calls `plan` and `launch` here.
 """
 
 from __future__ import annotations
