@@ -40,7 +40,7 @@ from tqserve.attention.rotate import rotate_rows
 from tqserve.attention.tuning import MAX_SPLITS, NARROW_MAX_SPLITS, group_pad, pick_config, pick_splits
 
 DENSE, CODEBOOK, MINMAX = 0, 1, 2
-LAST_LAUNCH: dict = {}  # the last compiled attention kernel (benchmarks read registers / spills)
+LAST_LAUNCH: dict = {}  # the last decode / verify kernel launched (this, sliced or narrow; benchmarks read registers)
 # Decoding paths for b <= 4 bits (benchmarks / debugging switch them off to compare with the plain
 # index unpack + per-element centroid load + int -> float conversion they replace).
 # "prefetch": register double buffering of the packed tiles in decode / verify (tuning.py decides

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from tqserve.attention.paged import (
     CODEBOOK,
+    LAST_LAUNCH,
     LOG2E,
     MINMAX,
     _exact_masks,
@@ -889,7 +890,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
     phased = exact and bq * gp >= EXACT_PHASED_ROWS
-    _decode_kernel[grid](
+    LAST_LAUNCH["kernel"] = _decode_kernel[grid](
         q, qx, k_new, v_new, kp, ks, vp, vs, vz, kcb, vcb, rk, rv, sk, sv,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.seq_slots, meta.sink_slots,
         part, lse,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqserve.attention.paged import CODEBOOK, _exact_masks, _interpreting, _load_exact, _tile_rows
+from tqserve.attention.paged import CODEBOOK, LAST_LAUNCH, _exact_masks, _interpreting, _load_exact, _tile_rows
 from tqserve.attention.paged_decode import S, _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
@@ -422,5 +422,6 @@ def launch(
         LAZY_TAU=lazy_tau(cols(meta.max_query_len, hq // hkv)),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
+    LAST_LAUNCH["kernel"] = kernel
     if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):
         _record_occupancy(key, kernel, warps, q.device)

@@ -326,16 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     sd_ms, sd_bytes = sdpa_decode_ms(32, ctx, 1, hq, hkv, d, dev)
     record(f"sdpa decode 32x{ctx}", sd_ms, sd_bytes)
     decode_ms = {}
+    from tqserve.attention.paged import LAST_LAUNCH
+
     for p in presets:
         c = Case(p, 32, ctx, 1, hq, hkv, d, dev)
+        LAST_LAUNCH.clear()  # filled by whichever launcher (general, sliced, narrow) runs this case
         decode_ms[p] = record(f"paged {p} decode 32x{ctx}", _bench(c.run), c.bytes, sd_ms)
-        from tqserve.attention.paged import LAST_LAUNCH
-
         ck = LAST_LAUNCH.get("kernel")
         if ck is not None:
+            name = getattr(ck, "name", "?")
             regs, spills = getattr(ck, "n_regs", "?"), getattr(ck, "n_spills", "?")
-            rows[-1].update(regs=regs, spills=spills)
-            print(f"    regs {regs} spills {spills} shared {ck.metadata.shared}", flush=True)
+            rows[-1].update(kernel=name, regs=regs, spills=spills)
+            print(f"    {name}: regs {regs} spills {spills} shared {ck.metadata.shared}", flush=True)
         c.free()
         del c
         torch.cuda.empty_cache()
