@@ -186,11 +186,11 @@ def test_narrow_verify_matches_reference(preset, hq, hkv, d, narrow_spy):
     assert len(narrow_spy) == 2
 
 
-@pytest.mark.parametrize("tau", [0.0, 0.5, 8.0])
+@pytest.mark.parametrize("tau", [0.5, 8.0])
 def test_narrow_lazy_rescale(tau, narrow_spy, monkeypatch):
     """Lazy online-softmax rescaling (accumulators rescaled only when a column's maximum grows by more
     than LAZY_TAU) on decode and verify batches, exact-copy layouts included; 0.5 rescales often,
-    8 rarely (random scores), 0 every tile."""
+    8 rarely (random scores). (The eager update is every other narrow test's.)"""
     monkeypatch.setattr(narrow, "LAZY_TAU", tau)
     monkeypatch.setattr(narrow, "LAZY_MIN_COLS", 8)
     for splits in (None, 3):
