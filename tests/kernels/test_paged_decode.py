@@ -152,6 +152,10 @@ def test_narrow_splits_fill_one_wave():
     assert narrow.pick_splits(8, 131072, 32, 16, 132) == narrow.MAX_SPLITS == 256  # one request: the cap
     assert narrow.pick_splits(8, 1000, 32, 16, 132) == 8  # 32 key tiles: 4 per split
     assert narrow.pick_splits(4096, 32768, 32, 16, 132) == 1  # more pairs than slots
+    # exact-copy layouts: the exact-pairs program's part on top stays within the warmed combine
+    assert narrow.pick_splits(3, 1 << 20, 64, 16, 132, exact=True) == narrow.MAX_SPLITS - 1
+    lay = _layout("tq3", 3, 64)
+    assert narrow.plan(lay, 64, 3, 1, 3, 1 << 20, 132, DEV)[3] + 1 <= narrow.MAX_SPLITS
 
 
 @pytest.mark.parametrize("preset", SLICED)

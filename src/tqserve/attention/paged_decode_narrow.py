@@ -144,11 +144,13 @@ def _record_occupancy(key: tuple, kernel, warps: int, device) -> None:
     )
 
 
-def pick_splits(pairs: int, max_seq_len: int, block_n: int, per_sm: int, sms: int) -> int:
-    """Split-K count that fills one wave of resident programs (at least 4 key tiles per split)."""
+def pick_splits(pairs: int, max_seq_len: int, block_n: int, per_sm: int, sms: int, exact: bool = False) -> int:
+    """Split-K count of the packed keys that fills one wave of resident programs (at least 4 key tiles
+    per split); with `exact`, one part less than MAX_SPLITS, so that the exact-pairs program's part
+    keeps the combine within the split counts `warm_split_combine` compiled."""
     slots = int(per_sm * sms * WAVE_FILL)
     tiles = triton.cdiv(max(1, max_seq_len), block_n)
-    return max(1, min(slots // max(1, pairs), tiles // 4, MAX_SPLITS))
+    return max(1, min(slots // max(1, pairs), tiles // 4, MAX_SPLITS - int(exact)))
 
 
 def plan(
@@ -163,7 +165,7 @@ def plan(
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
-    return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms), key
+    return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
 
 @triton.jit
