@@ -86,8 +86,6 @@ def run_ptx(block: str, inputs: dict[str, list[int]], outputs: list[str]) -> dic
                 r = _prmt(v[0], v[1], v[2])
             elif op.startswith("lop3"):
                 r = _lop3(v[0], v[1], v[2], v[3])
-            elif op.startswith("setp") or op.startswith("selp"):
-                raise NotImplementedError(op)
             else:
                 raise NotImplementedError(op)
             regs[lane][args[0]] = r & M32

@@ -850,9 +850,8 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     qx = q
     model_f32 = qx.dtype == torch.float32
     q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
-    exact = bool(layout.sink or layout.window)
     rotated = layout.rotated_values
-    npart = 2 if exact else 1  # exact values accumulate beside the sliced page accumulators
+    npart = 2 if exact_copies else 1  # exact values accumulate beside the sliced page accumulators
     if out is None:
         out = torch.empty_like(qx)
     direct = splits == 1 and npart == 1 and not rotated
@@ -861,7 +860,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     else:
         part = torch.empty((max(1, splits), T, hq, npart * d), device=dev, dtype=torch.float32)
     lse = torch.empty((splits, T, hq), device=dev, dtype=torch.float32) if splits > 1 else part
-    if exact and (layout.window and ring is None or layout.sink and sinks is None):
+    if exact_copies and (layout.window and ring is None or layout.sink and sinks is None):
         raise ValueError("layout keeps exact copies but no ring / sink buffers were given")
     rk, rv = ring if ring is not None else (k_new, v_new)
     sk, sv = sinks if sinks is not None else (k_new, v_new)
@@ -889,7 +888,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         )  # fmt: skip
         return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
-    phased = exact and bq * gp >= EXACT_PHASED_ROWS
+    phased = exact_copies and bq * gp >= EXACT_PHASED_ROWS
     LAST_LAUNCH["kernel"] = _decode_kernel[grid](
         q, qx, k_new, v_new, kp, ks, vp, vs, vz, kcb, vcb, rk, rv, sk, sv,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.seq_slots, meta.sink_slots,
