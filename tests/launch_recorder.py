@@ -14,7 +14,8 @@ import torch
 # (module, kernel attribute) of every kernel the engine launches.
 KERNELS = [
     ("tqserve.attention.paged", "_paged_attn_kernel"),
-    ("tqserve.attention.paged", "_split_reduce_kernel"),
+    ("tqserve.attention.finish", "_split_reduce_kernel"),
+    ("tqserve.attention.finish", "_finish_kernel"),
     ("tqserve.attention.paged_decode", "_decode_kernel"),
     ("tqserve.attention.paged_decode_narrow", "_narrow_decode_kernel"),
     ("tqserve.attention.paged_extend", "_extend_kernel"),

@@ -149,7 +149,8 @@ def test_narrow_splits_fill_one_wave():
     assert narrow.resident_per_sm(128, 0, 4) == 4  # 4 warps of 128 registers
     # 32 requests x 8 KV heads at 32K, 16 per SM on 132 SMs: 2,112 slots -> 8 splits (2,048 programs)
     assert narrow.pick_splits(256, 32768, 32, 16, 132) == 8
-    assert narrow.pick_splits(8, 131072, 32, 16, 132) == narrow.MAX_SPLITS == 256  # one request: the cap
+    assert narrow.pick_splits(8, 131072, 32, 16, 132) == 264  # one request: the slots, 2,112 / 8
+    assert narrow.pick_splits(1, 1 << 20, 32, 16, 132) == narrow.MAX_SPLITS == 512  # one KV head: the cap
     assert narrow.pick_splits(8, 1000, 32, 16, 132) == 8  # 32 key tiles: 4 per split
     assert narrow.pick_splits(4096, 32768, 32, 16, 132) == 1  # more pairs than slots
     # exact-copy layouts: the exact-pairs program's part on top stays within the warmed combine

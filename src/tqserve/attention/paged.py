@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tqserve.attention.finish import finish_parts
 from tqserve.attention.rotate import rotate_rows
-from tqserve.attention.tuning import MAX_SPLITS, NARROW_MAX_SPLITS, group_pad, pick_config, pick_splits
+from tqserve.attention.tuning import group_pad, pick_config, pick_splits
 
 DENSE, CODEBOOK, MINMAX = 0, 1, 2
 LAST_LAUNCH: dict = {}  # the last decode / verify kernel launched (this, sliced or narrow; benchmarks read registers)
@@ -591,29 +592,6 @@ def _load_exact(
     return tl.load(row[:, None] + d[None, :], mask=need[:, None] & dmask[None, :], other=0.0)
 
 
-@triton.jit(do_not_specialize=["n_splits", "stride_ls"])  # split count, tokens x heads
-def _split_reduce_kernel(
-    part_ptr, lse_ptr, out_ptr, n_splits, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
-    W: tl.constexpr, WP: tl.constexpr, SP: tl.constexpr,
-):  # fmt: skip
-    """Combine the splits of one (token, query head) with their log-sum-exp weights (base 2)."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, SP)
-    smask = s < n_splits
-    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
-    c = tl.arange(0, WP)
-    cm = c < W
-    o = tl.load(
-        part_ptr + s[:, None] * stride_ps + t * stride_pt + h * W + c[None, :], mask=smask[:, None] & cm[None, :]
-    )
-    o = tl.where(w[:, None] > 0.0, o, 0.0)
-    res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + t * stride_ot + h * W + c, res.to(out_ptr.dtype.element_ty), mask=cm)
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -631,54 +609,6 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
         x = x.contiguous()
     return x
-
-
-def _combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int) -> None:
-    """Split-K partials [splits, T, hq, w] + log-sum-exps -> red [T, hq, w]."""
-    _split_reduce_kernel[(num_tokens, hq)](
-        part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-        W=w, WP=triton.next_power_of_2(w), SP=triton.next_power_of_2(splits),
-    )  # fmt: skip
-
-
-def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device: torch.device) -> None:
-    """Compile the split-K combine for every split-count class (SP = 2 .. the largest cap, a constexpr)
-    and every (width, output dtype) a launcher of this layout can ask for: which split count a step
-    gets depends on its lengths and batch, so the engine's warm-up steps cannot reach them all."""
-    rotated = layout.rotated_values
-    combos = {(1, torch.float32 if rotated else model_dtype)}  # finish_parts writes `out` directly when it can
-    if layout.sink or layout.window:
-        combos.add((2, torch.float32))  # the exact-value part beside the page part
-    for npart, red_dtype in sorted(combos, key=str):
-        w = npart * d
-        red = torch.empty((1, hq, w), device=device, dtype=red_dtype)
-        splits = 2
-        while splits <= max(MAX_SPLITS, NARROW_MAX_SPLITS):
-            part = torch.zeros((splits, 1, hq, w), device=device, dtype=torch.float32)
-            lse = torch.zeros((splits, 1, hq), device=device, dtype=torch.float32)
-            _combine_splits(part, lse, red, splits, 1, hq, w)
-            splits *= 2
-
-
-def finish_parts(part, lse, out, splits: int, npart: int, layout, meta, T: int, hq: int, d: int):
-    """Shared tail of the paged kernels' launchers: combine split-K partials (`_split_reduce_kernel`),
-    rotate codebook values back (x = R^T y, for rows y @ R) and add the exact-value part when the
-    kernel wrote one, zero graph-padding rows. Returns `out`."""
-    rotated = layout.rotated_values
-    if splits > 1:
-        w = npart * d
-        red = out if npart == 1 and not rotated else torch.empty((T, hq, w), device=out.device, dtype=torch.float32)
-        _combine_splits(part, lse, red, splits, meta.num_tokens, hq, w)
-        part = red
-    if rotated or npart == 2:
-        pr = part.view(-1, T, hq, npart, d)[0] if part.dim() == 4 else part.view(T, hq, npart, d)
-        res = pr[:, :, 0] @ layout.val_rotation if rotated else pr[:, :, 0]
-        if npart == 2:
-            res = res + pr[:, :, 1]
-        out.copy_(res)
-    if meta.num_tokens < T:
-        out[meta.num_tokens :].zero_()
-    return out
 
 
 def paged_attention(

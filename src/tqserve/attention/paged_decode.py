@@ -22,7 +22,7 @@ byte-lookup decoder for 4-bit codebooks, for A/B timing. 2-bit codebook values o
 Everything else follows `paged.py`: rows are (query token, head of the GQA group) padded to 16 (or
 32 for verify steps), the exact sink + window rule reads the fresh k / v, the ring and the sink
 buffer (`_load_exact`) in a pass after the packed loop; exact values accumulate in a second output
-part; split-K partials are combined by `_split_reduce_kernel`; rotated values are rotated back once.
+part; split-K partials are combined and rotated values rotated back once by `finish.finish_parts`.
 Launch configurations (warps, key tile, split-K target, pipeline stages) come from `launch_config`.
 
 `decode_attention` hands steps the narrow kernel serves (`paged_decode_narrow.eligible`: decode and
@@ -36,6 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tqserve.attention.finish import finish_parts
 from tqserve.attention.paged import (
     CODEBOOK,
     LAST_LAUNCH,
@@ -48,7 +49,6 @@ from tqserve.attention.paged import (
     _row_major,
     _tile_rows,
     centroid_tables,
-    finish_parts,
 )
 from tqserve.attention.rotate import rotate_rows
 from tqserve.attention.tuning import MAX_SPLITS, group_pad

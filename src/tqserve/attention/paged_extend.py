@@ -22,7 +22,7 @@ KV head) and decodes every key and value tile once per program into fp16 tensor-
   tile loaded while this one is decoded), then the tail near the diagonal (causal mask, window).
 
 Any mix of requests in the batch (query_start_loc / seq_lens / block_tables), split-K over the key
-range for few long requests (combined by `paged.finish_parts`), no host sync, grids from host
+range for few long requests (combined by `finish.finish_parts`), no host sync, grids from host
 integers only, no dequantized copy of the cache. Rows whose keys are all masked end with zeros.
 """
 
@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tqserve.attention.finish import finish_parts
 from tqserve.attention.paged import (
     CODEBOOK,
     FAST,
@@ -52,7 +53,6 @@ from tqserve.attention.paged import (
     _tile_rows,
     _widen,
     centroid_tables,
-    finish_parts,
 )
 from tqserve.attention.rotate import rotate_rows
 from tqserve.attention.tuning import group_pad, pick_splits

@@ -5,7 +5,8 @@ query row, not one inverse rotation per key). For a decode step that is a [T * H
 float32 product of a few dozen rows, which cuBLAS serves with a split-K SIMT GEMM, a split-K
 reduce and a separate bf16 -> float32 cast: three launches, ~14 us on an H100 at one request x
 128K, a tenth of that step's attention (docs/benchmarks.md). `rotate_rows` is one launch that
-reads the model's dtype directly; float32 FMA dots (IEEE), so float32 models keep full precision.
+reads the model's dtype directly: tensor-core `tf32x3` dots for 16-bit rows (exact in tf32, so only
+R's hi / lo split rounds: ~5e-7), IEEE FMA dots for float32 rows, so float32 models keep full precision.
 `rotate_rows_reference` is the torch expression it replaces, and what CPU tensors take (under the
 interpreter a launch of many small programs costs seconds per engine step); `rotate_rows_kernel`
 runs the kernel on any device (the tests compare the two there).
@@ -17,15 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
-# (rows, output columns, warps) per program by the step's row count (tokens x heads), from a sweep on
-# the H100 (CUDA-graph replays, ninth session; us, was 16 x 32 with 4 warps): up to SMALL_ROWS rows
-# 16 x 8 with 2 warps (d = 128: 32 rows 6.0 -> 3.1, 64 rows 6.0 -> 3.1, 256 rows 6.1 -> 4.4; d = 64,
-# 9 rows 3.7 -> 2.1), more rows 16 x 32 with 2 warps (d = 128: 1,024 rows 10.9 -> 7.8, 2,048 rows
-# 20.3 -> 13.1; d = 64, 576 rows 3.9 -> 2.9). One warp over 32 or more columns, and 64-column blocks
-# with 2 warps, spill (5-30x slower); 64-row blocks spilled ~3,700 instructions offline.
+# (rows, output columns, warps) per program by the step's row count (tokens x heads). 16-bit rows
+# (exact in tf32) take tensor-core `tf32x3` dots, error ~5e-7 of the largest output (R's hi / lo
+# split), float32 rows IEEE FMA dots. H100, eleventh session, CUDA-graph replays with launch (us,
+# IEEE 16 x 32 x 2 warps -> tf32x3): d = 128, 5,120 rows (a 32 x 5 verify step) 32.6 -> 9.6 at
+# 64 x 32 x 4 warps (16 x 32: 13.7); 1,024 rows 11.7 -> 8.2; d = 256, 4,096 rows 97.5 -> 14.9 at
+# 64 x 64 (64 x 32: 19.1); up to SMALL_ROWS rows every shape is within a microsecond, 16 x 8 x 2.
 SMALL_ROWS = 256
 SMALL_BLOCK = (16, 8, 2)
-BLOCK = (16, 32, 2)
+BLOCK = (64, 32, 4)
+WIDE_BLOCK = (64, 64, 4)  # d > 128
+IEEE_BLOCK = (16, 32, 2)  # float32 rows, more than SMALL_ROWS (ninth session's sweep of the FMA dot)
+BLOCK_K = 64  # rows of R per dot
 
 
 def rotate_rows_reference(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
@@ -36,17 +40,20 @@ def rotate_rows_reference(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rotate_kernel(
     x_ptr, r_ptr, y_ptr, M, stride_xt,
-    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """y[m, c] = sum_k x[m, k] * R[c, k] for rows m of this block and columns c of this one; row m
     is head m % H of token m // H (x [T, H, D], heads and dims packed, tokens strided)."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    k = tl.arange(0, DP)
     xrow = (m // H).to(tl.int64) * stride_xt + (m % H) * D
-    x = tl.load(x_ptr + xrow[:, None] + k[None, :], mask=(m < M)[:, None] & (k < D)[None, :], other=0.0)
-    r = tl.load(r_ptr + c[None, :] * D + k[:, None], mask=(c < D)[None, :] & (k < D)[:, None], other=0.0)
-    y = tl.dot(x.to(tl.float32), r, input_precision="ieee")
+    y = tl.zeros((BM, BC), dtype=tl.float32)
+    for k0 in tl.static_range(0, DP, BK):  # K chunks bound the registers at d = 256
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + xrow[:, None] + k[None, :], mask=(m < M)[:, None] & (k < D)[None, :], other=0.0)
+        r = tl.load(r_ptr + c[None, :] * D + k[:, None], mask=(c < D)[None, :] & (k < D)[:, None], other=0.0)
+        y = tl.dot(x.to(tl.float32), r, y, input_precision=PREC)
     tl.store(y_ptr + m[:, None].to(tl.int64) * D + c[None, :], y, mask=(m < M)[:, None] & (c < D)[None, :])
 
 
@@ -81,8 +88,12 @@ def rotate_rows_kernel(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return y
     dp = max(16, triton.next_power_of_2(d))
-    bm, bc, warps = SMALL_BLOCK if m <= SMALL_ROWS else BLOCK
+    f32 = x.dtype == torch.float32
+    bm, bc, warps = SMALL_BLOCK if m <= SMALL_ROWS else IEEE_BLOCK if f32 else WIDE_BLOCK if d > 128 else BLOCK
     bc = min(bc, dp)
     grid = (triton.cdiv(m, bm), triton.cdiv(d, bc))
-    _rotate_kernel[grid](x, rot, y, m, x.stride(0), H=heads, D=d, DP=dp, BM=bm, BC=bc, num_warps=warps)
+    prec = "ieee" if f32 else "tf32x3"  # 16-bit rows are exact in tf32: R's hi / lo split carries it
+    _rotate_kernel[grid](
+        x, rot, y, m, x.stride(0), H=heads, D=d, DP=dp, BK=min(dp, BLOCK_K), BM=bm, BC=bc, PREC=prec, num_warps=warps
+    )
     return y

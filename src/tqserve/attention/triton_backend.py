@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from tqserve.attention.backend import AttentionBackend, AttentionMetadata
-from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention, warm_split_combine
+from tqserve.attention.finish import warm_split_combine
+from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention
 from tqserve.attention.reference import KVCacheStore
 from tqserve.kvquant.store_triton import StorePlan, store_kv
 

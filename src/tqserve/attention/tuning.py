@@ -92,9 +92,9 @@ def _warps(rows: int, block_n: int) -> int:
 
 # Largest split counts the launchers pick (here and paged_decode.pick_splits; the narrow decode
 # kernel's, attention/paged_decode_narrow.py); the warm-up compiles the split-K combine up to the
-# larger (paged.warm_split_combine).
+# larger (finish.warm_split_combine).
 MAX_SPLITS = 128
-NARROW_MAX_SPLITS = 256
+NARROW_MAX_SPLITS = 512
 
 
 def pick_splits(num_reqs: int, num_kv_heads: int, num_qblocks: int, max_seq_len: int, block_n: int, sms: int) -> int:

@@ -1,0 +1,173 @@
+"""The tail of every paged-attention launch: split-K combine, inverse value rotation, exact part, cast.
+
+The attention kernels write float32 partials: one per split of the key range (flash-decoding), and
+beside the page part an exact-value part when the layout keeps sink / window copies; codebook values
+are summed in the rotated space. `finish_parts` turns those into the step's output in two launches
+at most, whatever the layout:
+
+- `_split_reduce_kernel` combines the splits of every (token, query head) with their log-sum-exp
+  weights. Its grid also splits the row's columns, so that one request with hundreds of splits
+  still spreads over the SMs and each program's [splits, columns] tile stays in registers (one
+  program per row over a [256, 256] tile spilled: tq3's combine took 31 us of a 129 us step at
+  1 x 128K on the H100, eleventh session).
+- `_finish_kernel` rotates the page part back (rows y R with the layer's value rotation, a
+  tensor-core dot: `tf32x3` for 16-bit models, IEEE for float32 ones), adds the exact part, casts to
+  the model's dtype and zeroes the graph-padding rows. It replaces a cuBLAS GEMM (two launches:
+  split-K GEMM + reduce), an add and a cast.
+
+Grids depend on host integers only; the split count and the row counts are not specialized, so one
+binary per (layout, split-count class) serves every step (`warm_split_combine` builds them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tqserve.attention.tuning import MAX_SPLITS, NARROW_MAX_SPLITS
+
+# Largest [splits, columns] tile of one combine program (float32 elements; 32 per thread at 4 warps).
+COMBINE_TILE = 4096
+# Rows x output columns of one `_finish_kernel` program (tl.dot needs 16 of each).
+FINISH_ROWS = 16
+FINISH_COLS = 64
+FINISH_K = 64  # rotation rows per dot
+
+
+@triton.jit(do_not_specialize=["n_splits", "stride_ls"])  # split count, tokens x heads
+def _split_reduce_kernel(
+    part_ptr, lse_ptr, out_ptr, n_splits, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
+    W: tl.constexpr, BW: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
+    """Columns [c0, c0 + BW) of one (token, query head): the splits' partials weighted by
+    exp2(lse - max) and divided by their sum (base-2 log-sum-exps, as the kernels write them)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    smask = s < n_splits
+    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+    c = tl.program_id(2) * BW + tl.arange(0, BW)
+    cm = c < W
+    o = tl.load(
+        part_ptr + s[:, None] * stride_ps + t * stride_pt + h * W + c[None, :], mask=smask[:, None] & cm[None, :]
+    )
+    o = tl.where(w[:, None] > 0.0, o, 0.0)  # a split with no keys may have written anything
+    res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * W + c, res.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit(do_not_specialize=["rows", "n_out"])  # tokens x heads: one binary for every step size
+def _finish_kernel(
+    src_ptr, rot_ptr, out_ptr, rows, n_out, stride_src, stride_ot, hq,
+    D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+    ROTATED: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Output rows m (token m // hq, head m % hq), columns [c0, c0 + BC): (y R if ROTATED else y) + x,
+    where src row m is [y | x] (x only with EXACT); rows in [rows, n_out) get zeros (graph padding)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    live = m < rows
+    cm = c < D
+    src = src_ptr + m.to(tl.int64)[:, None] * stride_src
+    if ROTATED:
+        res = tl.zeros((BM, BC), dtype=tl.float32)
+        for k0 in tl.static_range(0, DP, BK):  # K chunks bound the registers at d = 256
+            k = k0 + tl.arange(0, BK)
+            y = tl.load(src + k[None, :], mask=live[:, None] & (k < D)[None, :], other=0.0)
+            r = tl.load(rot_ptr + k[:, None] * D + c[None, :], mask=(k < D)[:, None] & cm[None, :], other=0.0)
+            res = tl.dot(y, r, res, input_precision=PREC)
+    else:
+        res = tl.load(src + c[None, :], mask=live[:, None] & cm[None, :], other=0.0)
+    if EXACT:
+        res += tl.load(src + D + c[None, :], mask=live[:, None] & cm[None, :], other=0.0)
+    res = tl.where(live[:, None], res, 0.0)
+    dst = out_ptr + (m // hq).to(tl.int64)[:, None] * stride_ot + (m % hq)[:, None] * D + c[None, :]
+    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(m < n_out)[:, None] & cm[None, :])
+
+
+def combine_width(splits: int, w: int) -> int:
+    """Columns per combine program: the row's whole width unless [splits, width] passes COMBINE_TILE."""
+    return max(16, min(triton.next_power_of_2(w), COMBINE_TILE // triton.next_power_of_2(splits)))
+
+
+def combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int) -> None:
+    """Split-K partials [splits, T, hq, w] + log-sum-exps [splits, T, hq] -> red [T, hq, w] (rows of
+    the first num_tokens tokens; red's heads and columns packed)."""
+    bw = combine_width(splits, w)
+    _split_reduce_kernel[(num_tokens, hq, triton.cdiv(w, bw))](
+        part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
+        W=w, BW=bw, SP=triton.next_power_of_2(splits),
+    )  # fmt: skip
+
+
+def _finish(src: torch.Tensor, rot: torch.Tensor | None, out: torch.Tensor, npart: int, num_tokens: int) -> None:
+    """`_finish_kernel` over out [T, hq, d] (heads and dims packed) from src rows [T * hq, npart * d]."""
+    T, hq, d = out.shape
+    if rot is not None and (rot.shape != (d, d) or not rot.is_contiguous() or rot.dtype != torch.float32):
+        raise ValueError(f"the value rotation must be a contiguous float32 [{d}, {d}] matrix")
+    exact = npart == 2
+    dp = max(16, triton.next_power_of_2(d))
+    prec = "ieee" if out.dtype == torch.float32 else "tf32x3"
+    grid = (triton.cdiv(T * hq, FINISH_ROWS), triton.cdiv(d, FINISH_COLS))
+    _finish_kernel[grid](
+        src, rot if rot is not None else src, out, num_tokens * hq, T * hq, src.stride(0), out.stride(0), hq,
+        D=d, DP=dp, BK=min(dp, FINISH_K), BM=FINISH_ROWS, BC=FINISH_COLS,
+        ROTATED=rot is not None, EXACT=exact, PREC=prec,
+    )  # fmt: skip
+
+
+def _packed_rows(out: torch.Tensor) -> bool:
+    return out.stride(-1) == 1 and out.stride(-2) == out.shape[-1]
+
+
+def finish_parts(part, lse, out, splits: int, npart: int, layout, meta, T: int, hq: int, d: int):
+    """Shared tail of the paged kernels' launchers: combine split-K partials, rotate codebook values
+    back (rows y R), add the exact-value part when the kernel wrote one, zero graph-padding rows.
+
+    part: [splits, T, hq, npart * d] float32 (or `out` itself when the kernel wrote it directly);
+    lse: [splits, T, hq]. Returns `out`."""
+    rotated = layout.rotated_values
+    tail = rotated or npart == 2
+    if splits > 1:
+        w = npart * d
+        red = out if not tail else torch.empty((T, hq, w), device=out.device, dtype=torch.float32)
+        combine_splits(part, lse, red, splits, meta.num_tokens, hq, w)
+        part = red
+    if tail:
+        dst = out if _packed_rows(out) else torch.empty(out.shape, device=out.device, dtype=out.dtype)
+        rot = layout.val_rotation if rotated else None
+        _finish(part.reshape(-1, npart * d)[: T * hq], rot, dst, npart, meta.num_tokens)
+        if dst is not out:
+            out.copy_(dst)
+    elif meta.num_tokens < T:
+        out[meta.num_tokens :].zero_()
+    return out
+
+
+def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the split-K combine for every split-count class (SP = 2 .. the largest cap, a constexpr)
+    and every (width, output dtype) a launcher of this layout can ask for, and the finishing kernel:
+    which split count a step gets depends on its lengths and batch, so the engine's warm-up steps
+    cannot reach them all."""
+    rotated = layout.rotated_values
+    tail_widths = {1} if rotated else set()
+    combos = {(1, torch.float32 if rotated else model_dtype)}  # finish_parts writes `out` directly when it can
+    if layout.sink or layout.window:
+        combos.add((2, torch.float32))  # the exact-value part beside the page part
+        tail_widths.add(2)
+    for npart, red_dtype in sorted(combos, key=str):
+        w = npart * d
+        red = torch.empty((1, hq, w), device=device, dtype=red_dtype)
+        splits = 2
+        while splits <= max(MAX_SPLITS, NARROW_MAX_SPLITS):
+            part = torch.zeros((splits, 1, hq, w), device=device, dtype=torch.float32)
+            lse = torch.zeros((splits, 1, hq), device=device, dtype=torch.float32)
+            combine_splits(part, lse, red, splits, 1, hq, w)
+            splits *= 2
+    out = torch.empty((1, hq, d), device=device, dtype=model_dtype)
+    for npart in sorted(tail_widths):
+        src = torch.zeros((hq, npart * d), device=device, dtype=torch.float32)
+        _finish(src, layout.val_rotation if rotated else None, out, npart, 1)
