@@ -55,9 +55,11 @@ MAXNREG = 0  # register cap of every other configuration (0: the compiler's choi
 # - d = 256: 32-key tiles, 2 stages (tq_k4v4_nc, 16 / 2 heads, 32 x 32K: 26% faster than 64);
 # - d >= 128 with exact copies: 64-key tiles, 2 stages;
 # - d < 128: 64-key tiles, 3 stages (with exact copies registers capped, `SMALL_D_EXACT_MAXNREG`);
-# - more than 16 columns (verify steps of GQA groups of 4 and more): 32-key tiles, 2 stages (32 x 5 x
-#   32K: 4bit_nc 1.105 ms, `paged_decode`'s kernel 1.117; tq_k4v4_ub 1.003 / 1.033; two warps 1.46,
-#   four 3.2, 64-key tiles 1.11, 3 stages 1.69 - though one warp spills ~58 instructions there).
+# - more than 16 columns (verify steps of GQA groups of 4 and more): 32-key tiles, 3 stages (32 x 5 x
+#   32K, eleventh session, same call: 4bit_nc 2 stages 1.046 ms, 3 stages 1.001; tq3 1.085 either way;
+#   two warps 1.386 / 1.292, two warps x 64-key tiles 1.081 / 1.106, four x 64 1.56, 64-key tiles
+#   1.25 / 1.736, 16-key tiles 1.155 / 1.102. The ninth session's 3 stages (1.69) predate the lazy
+#   rescale and the exact-pairs program).
 # Lazy online-softmax rescaling (0: off): the [d, N] accumulators are rescaled only when a column's
 # running maximum grows by more than LAZY_TAU (log2 units; p stays below 2^LAZY_TAU, fine for the fp16
 # p x scale operand and the float32 sums), for steps of at least LAZY_MIN_COLS columns.
@@ -78,7 +80,7 @@ SMALL_D_BLOCK_N = 64
 SMALL_D_STAGES = 3
 VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
 VERIFY_BLOCK_N = 32
-VERIFY_STAGES = 2
+VERIFY_STAGES = 3
 # Split-K fills one wave: (request, KV head) pairs x splits <= the programs the SMs keep resident
 # (from the compiled kernel's registers and shared memory, `resident_per_sm`; a guess by key tile
 # until the first launch). A second, partial wave costs a whole program time (H100, 32 x 32K:
