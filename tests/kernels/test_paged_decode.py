@@ -39,6 +39,7 @@ if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 SLICED = ["turboquant_4bit_nc", "tq3", "tq3s", "tq_k4v4_nc", "tq_k2v4_nc"]
 NARROW = ["turboquant_4bit_nc", "tq_k4v4_nc", "tq_k2v4_nc", "tq_k4v4_ub", "tq_k4v2_nc"]  # no exact copies
 NARROW_EXACT = ["tq3", "tq3s"]  # sink + window copies (their exact pairs: split 0)
+NARROW3 = ["turboquant_3bit_nc", "tq_k3v2_ub", "turboquant_k3v4_nc"]  # 3-bit codes: 8-code groups, narrow only
 
 
 def _count(monkeypatch, module, name: str) -> list:
@@ -84,9 +85,17 @@ def test_eligibility(monkeypatch):
         assert paged_decode.eligible(lay(p), 5, 128, group=4), p  # verify: 8 x 4 rows
         assert not paged_decode.eligible(lay(p), 5, 128, group=8), p  # 64 rows: the general kernel
         assert not paged_decode.eligible(lay(p), 9, 128), p  # past MAX_QUERY_LEN
-    # 3- and 5-bit codes, dense keys, exact pages: the general kernel
-    for p in ["turboquant_3bit_nc", "tq4", "tq4s", "turboquant_k8v4", "fp8", "auto"]:
+    # 5-bit codes, dense keys, exact pages: the general kernel
+    for p in ["tq4", "tq4s", "turboquant_k8v4", "fp8", "auto"]:
         assert not paged_decode.eligible(lay(p), 1, 128), p
+    # 3-bit codes: the narrow kernel's 8-code groups, at least 16 per token (d >= 128)
+    for p in NARROW3:
+        assert paged_decode.eligible(lay(p), 1, 128, group=4) and paged_decode.eligible(lay(p), 5, 128, group=4), p
+        assert not paged_decode.eligible(lay(p, 64), 1, 64, group=4), p
+        assert not paged_decode.eligible(lay(p), 5, 128, group=8), p  # 64 columns: past the narrow kernel
+        with monkeypatch.context() as m:
+            m.setattr(narrow, "ENABLED", False)
+            assert not paged_decode.eligible(lay(p), 1, 128, group=4), p
     # the narrow kernel: no exact copies, (query tokens x group) padded up to 32 columns
     for p in NARROW:
         assert narrow.eligible(lay(p), 1, 4) and narrow.eligible(lay(p), 1, 32), p
@@ -191,6 +200,21 @@ def test_narrow_verify_matches_reference(preset, hq, hkv, d, narrow_spy):
     assert len(narrow_spy) == 2
 
 
+@pytest.mark.parametrize(
+    ("preset", "hq", "hkv", "d"),
+    [("turboquant_3bit_nc", 8, 2, 128), ("turboquant_3bit_nc", 3, 3, 128), ("turboquant_3bit_nc", 16, 2, 256),
+     ("tq_k3v2_ub", 8, 2, 128), ("turboquant_k3v4_nc", 8, 2, 128)],
+)  # fmt: skip
+def test_narrow_3bit_matches_reference(preset, hq, hkv, d, narrow_spy):
+    """3-bit codes (groups of 8 codes in 3 stream bytes, 8 slices per dot) on decode and verify
+    batches: groups 4, 1 and 8, d = 128 and 256, one split and several."""
+    for splits in (None, 3):
+        _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
+    qlens = [5, 1, 3, 5] if hq // hkv <= 4 else [3, 1, 2, 3]  # at most 32 columns
+    _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], qlens, seed=6)
+    assert len(narrow_spy) == 3
+
+
 @pytest.mark.parametrize("tau", [0.5, 8.0])
 def test_narrow_lazy_rescale(tau, narrow_spy, monkeypatch):
     """Lazy online-softmax rescaling (accumulators rescaled only when a column's maximum grows by more
@@ -290,9 +314,21 @@ def test_decode_gpu_real_sizes(preset, hq, hkv, d, narrow_on, spy, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("preset", "hq", "hkv", "d"), [("turboquant_3bit_nc", 32, 8, 128), ("tq_k3v2_ub", 16, 2, 256)])
+def test_narrow_3bit_gpu_real_sizes(preset, hq, hkv, d, narrow_spy):
+    """3-bit codes at real sizes: decode, one long request (split-K), verify."""
+    _check_one_step(preset, hq, hkv, d, [9000, 3000, 17, 1], [1, 1, 1, 1], seed=1)
+    _check_one_step(preset, hq, hkv, d, [20000], [1], seed=2)
+    qlen = 5 if hq // hkv <= 4 else 3
+    _check_one_step(preset, hq, hkv, d, [5000, 2047, 64], [qlen] * 3, seed=3)
+    assert len(narrow_spy) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lookup", ["shfl", "prmt"])
 @pytest.mark.parametrize(
-    "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc"]
+    "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3]
 )
 @pytest.mark.parametrize(("qlen", "narrow_on"), [(1, True), (1, False), (5, True), (5, False)])
 def test_asm_decoders_equal_gathers(preset, lookup, qlen, narrow_on, monkeypatch):
@@ -300,6 +336,8 @@ def test_asm_decoders_equal_gathers(preset, lookup, qlen, narrow_on, monkeypatch
     magic-number min-max values) must produce the fp16 operands bit for bit: outputs identical to the
     gather path on the same pages, for decode (both kernels) and for verify rows (tq3's through the
     narrow kernel too)."""
+    if preset in NARROW3 and not narrow_on:
+        pytest.skip("3-bit codes have no decoders outside the narrow kernel")
     monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     d, hq, hkv, bs = 128, 32, 8, 16
     ctx = [3000, 777, 1500]

@@ -187,3 +187,26 @@ def test_minmax_decoders(bits):
                     idx = (w >> bits * j) & ((1 << bits) - 1)
                     want = np.float16(2**bits + idx).view(np.uint16)
                     assert half == int(want), (bits, j, w)
+
+
+def test_three_bit_decoders():
+    """`shfl_slices3` (codebook) and `minmax_slices3` (u = 8 + code): two int32 words per call whose
+    low 3 bits are the codes and whose higher bits are the next codes (the kernel shifts slice j's
+    code down): every code pair, with random high bits."""
+    table = _cb_bits(3)
+    shfl = paged_decode.shfl_slices3(tq_codebook(3, 128)[0].half())
+    mm = paged_decode.minmax_slices3()
+    assert len(set(shfl)) == 1 and len(set(mm)) == 1  # one string serves every slice
+    rng = np.random.default_rng(3)
+    pairs = [(a, b) for a in range(8) for b in range(8)]
+    for start in range(0, len(pairs), 32):
+        chunk = pairs[start : start + 32]
+        hi = rng.integers(0, 1 << 29, size=(len(chunk), 2))
+        x1 = [a | int(h) << 3 for (a, _), h in zip(chunk, hi[:, 0], strict=True)]
+        x2 = [b | int(h) << 3 for (_, b), h in zip(chunk, hi[:, 1], strict=True)]
+        got = run_ptx(shfl[0], {"$1": x1, "$2": x2}, ["$0"])["$0"]
+        got_mm = run_ptx(mm[0], {"$1": x1, "$2": x2}, ["$0"])["$0"]
+        for (a, b), r, r_mm in zip(chunk, got, got_mm, strict=True):
+            assert _halves(r) == (table[a], table[b]), (a, b)
+            want = tuple(int(np.float16(8 + c).view(np.uint16)) for c in (a, b))
+            assert _halves(r_mm) == want, (a, b)

@@ -120,7 +120,15 @@ MAXNREG = 0
 # 2-bit codebooks decode through the pair table (`shfl_pair_slices`: one shuffle per two codes);
 # 0: one shuffle per code (`shfl_slices`), for A/B timing.
 PAIR_TABLES = 1
+# 3-bit min-max values through `minmax_slices3` (1) or `_mm_slice`'s Triton ops (0), for A/B timing
+MINMAX3_ASM = 0
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
+S3 = 8  # 3-bit codes: a 24-bit group of 8 (3 bytes of the bit stream), narrow kernel only
+
+
+def slices(bits: int) -> int:
+    """Coordinates per packed word (the slice count of the narrow kernel's dots) for b-bit codes."""
+    return S3 if bits == 3 else S
 
 
 MAX_QUERY_LEN = 8  # query tokens per request served here (verify steps of up to 7 drafts)
@@ -142,14 +150,22 @@ def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
     Chosen by measurement (H100, CUDA-graph replays, docs/benchmarks.md): with the shuffle decoders
     faster than the general kernel for 4-bit keys with 4- / 2-bit values at 32 x 32K (1.6-2.2x),
     1 x 128K (1.4-1.9x), verify 32 x 5 x 32K (1.5-1.8x) and SmolLM2's d = 64 (64 x 4K: 1.4x for
-    4-bit keys, 1.7x for tq3). 3- and 5-bit codes (8-coordinate groups) stay on the general kernel.
+    4-bit keys, 1.7x for tq3). 3-bit codes (8-coordinate groups) only where the narrow kernel takes
+    the step (it has their slice decoders), with at least 16 groups per token; 5-bit codes stay on
+    the general kernel.
     """
     if not ENABLED or max_query_len > MAX_QUERY_LEN or program_rows(max_query_len, group) > MAX_ROWS:
         return False
     if layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
         return False
-    if head_dim & (head_dim - 1) or layout.key_bits not in (2, 4) or layout.val_bits not in (2, 4):
+    bits = (layout.key_bits, layout.val_bits)
+    if head_dim & (head_dim - 1) or any(b not in (2, 3, 4) for b in bits):
         return False
+    if 3 in bits:
+        from tqserve.attention import paged_decode_narrow as narrow
+
+        if head_dim // S3 < 16 or not narrow.eligible(layout, max_query_len, group):
+            return False
     return head_dim // S >= 16 and head_dim >= MIN_HEAD_DIM
 
 
@@ -323,6 +339,38 @@ def shfl_pair_slices_b8(codebook16) -> tuple[str, str, str, str]:
     return tuple(out)
 
 
+def shfl_slices3(codebook16) -> tuple[str, str, str, str]:
+    """PTX for 3-bit codebook codes: two int32 words ($1, $2) whose low 3 bits are the codes (the
+    kernel shifts slice j's code down first) -> fp16x2 (c[code of $1], c[code of $2]), one shuffle per
+    code from a table with lane l holding c[l & 7] (period 8, so bits 4:3 of the source lane are
+    free). The same string serves every slice (all four entries are it)."""
+    import torch
+
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 8
+    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
+    lo = _byte_words([v & 0xFF for v in raw])
+    hi = _byte_words([v >> 8 for v in raw])
+    body = ".reg .b32 l, m, a, c, tb, ra, rb, L0, L1, H0, H1;\n"
+    body += f"mov.b32 L0, {lo[0]:#x};\nmov.b32 L1, {lo[1]:#x};\nmov.b32 H0, {hi[0]:#x};\nmov.b32 H1, {hi[1]:#x};\n"
+    body += "mov.u32 l, %laneid;\nand.b32 m, l, 7;\nprmt.b32 a, L0, L1, m;\nprmt.b32 c, H0, H1, m;\n"
+    body += "prmt.b32 tb, a, c, 0x0040;\n"  # fp16 c[l & 7] in the low half
+    body += "shfl.sync.idx.b32 ra, tb, $1, 0x1f, 0xffffffff;\nshfl.sync.idx.b32 rb, tb, $2, 0x1f, 0xffffffff;\n"
+    body += "prmt.b32 $0, ra, rb, 0x5410;\n"  # (ra.lo, rb.lo)
+    asm = "{\n" + body + "}"
+    return (asm, asm, asm, asm)
+
+
+def minmax_slices3() -> tuple[str, str, str, str]:
+    """PTX for 3-bit min-max codes, `shfl_slices3`'s calling convention (two int32 words, the code in
+    the low 3 bits of each) -> fp16x2 (u, u) with u = 2^3 + code (the code in the top 3 mantissa bits
+    of 8.0, as `_mm_slice`): two shifts and two LOP3s per pair, one string for every slice."""
+    body = ".reg .b32 a, b;\nshl.b32 a, $1, 7;\nshl.b32 b, $2, 23;\n"
+    body += "lop3.b32 a, a, 0x380, 0x48004800, 0xea;\n"  # (a & 0x380) | both halves' exponent of 8
+    body += "lop3.b32 $0, b, 0x3800000, a, 0xea;\n"  # | (b & 0x3800000): the high half's code
+    asm = "{\n" + body + "}"
+    return (asm, asm, asm, asm)
+
+
 def minmax_slices(bits: int) -> tuple[str, str, str, str]:
     """PTX of slice j = 0..3 for 2- / 4-bit min-max codes in 16-bit words: two words in one register
     -> fp16x2 (u of word 0, of word 1), u = 2^b + idx_j: one shift moves the codes to the top b
@@ -353,6 +401,12 @@ def _asm_slice(w, ASM: tl.constexpr):
 
 
 @triton.jit
+def _asm_pairs(w, ASM: tl.constexpr):
+    """Two int32 words per call ($1, $2), one fp16x2 register out (`shfl_slices3`)."""
+    return tl.inline_asm_elementwise(ASM, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
 def _asm_slice4(w, ASM: tl.constexpr):
     """Four byte words per register in, two fp16x2 registers out (`shfl_slices_b8`)."""
     return tl.inline_asm_elementwise(ASM, "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4)
@@ -380,7 +434,9 @@ def _words(
         row = tokp[:, None]
         kk = k[None, :]
         m = nmask[:, None]
-    if WB == 1:
+    if WB == 3:  # 3-bit codes (S = 8)
+        w = _groups3(ptr, row, nmask, K, NB, TRANS)
+    elif WB == 1:
         w = tl.load(ptr + row * NB + kk, mask=m, other=0)  # uint8 pages: widening zero-extends
         # RAW: 16-bit words, the byte in the low half (the asm decoders take two per register);
         # RAW == 2: the bytes themselves (`shfl_slices_b8` takes four per register)
@@ -394,9 +450,42 @@ def _words(
 
 
 @triton.jit
+def _groups3(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, TRANS: tl.constexpr):
+    """3-bit codes: the token's K groups of 8 codes (24 stream bits each, little-endian) as int32,
+    [K, BN] (TRANS) or [BN, K], from 4-byte words (so the pipeliner copies them asynchronously).
+    Bits above a group's 24 are left as they come: every decoder masks the code (or, the shuffles,
+    ignores bits 4:3 of the source lane)."""
+    wp = ptr.to(tl.pointer_type(tl.int32))
+    U: tl.constexpr = K // 4
+    u = tl.arange(0, U)
+    # words 3u, 3u + 1, 3u + 2 hold groups 4u .. 4u + 3
+    if TRANS:
+        base = wp + row * (NB // 4) + 3 * u[:, None]
+        m = nmask[None, :]
+    else:
+        base = wp + row * (NB // 4) + 3 * u[None, :]
+        m = nmask[:, None]
+    a = tl.load(base, mask=m, other=0)
+    b = tl.load(base + 1, mask=m, other=0)
+    c = tl.load(base + 2, mask=m, other=0)
+    g0 = a
+    g1 = ((a >> 24) & 0xFF) | (b << 8)
+    g2 = ((b >> 16) & 0xFFFF) | (c << 16)
+    g3 = (c >> 8) & 0xFFFFFF
+    w = tl.join(tl.join(g0, g2), tl.join(g1, g3))  # [.., U, 2, 2]: group 4u + 2a + b at [.., u, a, b]
+    if TRANS:
+        w = tl.reshape(tl.permute(w, (0, 2, 3, 1)), (K, w.shape[1]))
+    else:
+        w = tl.reshape(w, (w.shape[0], K))
+    return w
+
+
+@triton.jit
 def _cb_slice(w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr):
     """Codebook values of slice j (fp16 centroids) from the words."""
-    if ASM != "":
+    if ASM != "" and BITS == 3:
+        c = _asm_pairs(w >> (BITS * j), ASM)  # the shuffle reads the code from the low bits
+    elif ASM != "":
         c = _asm_slice(w, ASM)
     else:
         c = tl.load(cb_ptr + ((w >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.int32))
@@ -424,6 +513,8 @@ def _v_slice(
 ):
     if VAL_MODE == 1:
         return _cb_slice(w, j, cb_ptr, BITS, ASM, OUT_T)
+    elif ASM != "" and BITS == 3:
+        return _asm_pairs(w >> (BITS * j), ASM).to(OUT_T)  # `minmax_slices3`
     elif ASM != "":
         return _asm_slice(w, ASM).to(OUT_T)  # min-max magic-number decoder (same calling convention)
     else:
@@ -748,16 +839,20 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
     if _interpreting() or LOOKUP == "gather" or not layout.key_cb16.is_cuda:
         return none
     if side == "v" and layout.val_mode == MINMAX:
-        return minmax_slices(bits) if LOOKUP == "shfl" else none
-    if LOOKUP == "prmt" and bits != 4:
+        if LOOKUP != "shfl" or bits == 3 and not MINMAX3_ASM:
+            return none
+        return minmax_slices3() if bits == 3 else minmax_slices(bits)
+    if LOOKUP == "prmt" and bits != 4 or bits == 3 and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    key = (side, LOOKUP, PAIR_TABLES)
+    key = (side, bits, LOOKUP, PAIR_TABLES)
     if key not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
         host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
-        if LOOKUP == "shfl" and bits == 2 and PAIR_TABLES:
+        if bits == 3:
+            cache[key] = shfl_slices3(host)
+        elif LOOKUP == "shfl" and bits == 2 and PAIR_TABLES:
             cache[key] = shfl_pair_slices(host)
         elif LOOKUP == "shfl":
             cache[key] = shfl_slices(host, bits)

@@ -19,7 +19,9 @@ interpreter): a register pair holds two consecutive words of one key (scores) or
 consecutive keys (values), as there. Split-K fills one wave of resident programs (`pick_splits`).
 
 Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_COLS columns over the
-`paged_decode.eligible` layouts (2- / 4-bit codebook keys, 2- / 4-bit codebook or min-max values).
+`paged_decode.eligible` layouts (2- / 3- / 4-bit codebook keys, 2- / 3- / 4-bit codebook or min-max
+values). 3-bit codes come in groups of 8 (3 bytes of the bit stream, `paged_decode._groups3`), so
+their dots take 8 slices of d / 8 coordinates instead of 4 of d / 4 (SK / SV).
 Layouts with exact sink / window copies (tq3) come here too: the packed loop masks the pairs the
 exact rule claims, and split 0 of every (request, KV head) is a program of its own that reads those
 keys and values from the fresh tensors, the ring and the sink buffer (unrotated query, exact values
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from tqserve.attention.paged import CODEBOOK, LAST_LAUNCH, _exact_masks, _interpreting, _load_exact, _tile_rows
-from tqserve.attention.paged_decode import S, _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile
+from tqserve.attention.paged_decode import _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile, slices
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
 ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
@@ -249,7 +251,7 @@ def _narrow_decode_kernel(
     split_n, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SW: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
@@ -291,11 +293,18 @@ def _narrow_decode_kernel(
             )  # fmt: skip
             return
     pk_t = tl.float32 if DOT_F32 else tl.float16  # the interpreter and float32 models compute in float32
-    KV: tl.constexpr = D // SW
-    q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SW, D, pk_t)
-    q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SW, D, pk_t)
-    q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SW, D, pk_t)
-    q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SW, D, pk_t)
+    # SK / SV: coordinates per packed word of keys / values (4; 8 for 3-bit codes): q slice j holds
+    # the query coordinates SK g + j, accumulator j the output coordinates SV g + j
+    KV: tl.constexpr = D // SV
+    q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
+    q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
+    q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SK, D, pk_t)
+    q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SK, D, pk_t)
+    if SK == 8:
+        q4 = _q_cols(q_ptr, tok, hq, h_ok, 4, qk_scale, SK, D, pk_t)
+        q5 = _q_cols(q_ptr, tok, hq, h_ok, 5, qk_scale, SK, D, pk_t)
+        q6 = _q_cols(q_ptr, tok, hq, h_ok, 6, qk_scale, SK, D, pk_t)
+        q7 = _q_cols(q_ptr, tok, hq, h_ok, 7, qk_scale, SK, D, pk_t)
 
     m_i = tl.full([N], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([N], dtype=tl.float32)
@@ -303,20 +312,30 @@ def _narrow_decode_kernel(
     a1 = tl.zeros([KV, N], dtype=tl.float32)
     a2 = tl.zeros([KV, N], dtype=tl.float32)
     a3 = tl.zeros([KV, N], dtype=tl.float32)
+    if SV == 8:
+        a4 = tl.zeros([KV, N], dtype=tl.float32)
+        a5 = tl.zeros([KV, N], dtype=tl.float32)
+        a6 = tl.zeros([KV, N], dtype=tl.float32)
+        a7 = tl.zeros([KV, N], dtype=tl.float32)
     vsum = tl.zeros([N], dtype=tl.float32)  # min-max: sum of p (zero - 2^b scale), see _mm_terms
     bt_row = bt_ptr + req * stride_bt
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
         tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
-        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, False, KRAW)  # [keys, words]
-        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SW, D, True, VRAW)  # [words, keys]
+        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW)  # [keys, words]
+        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW)  # [words, keys]
         ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
         vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
         s = tl.dot(_cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), q0, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), q1, s, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), q2, s, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t), q3, s, input_precision=PREC)
+        if SK == 8:  # (the 3-bit decoder is one string for every slice: KASM0)
+            s = tl.dot(_cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t), q4, s, input_precision=PREC)
+            s = tl.dot(_cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM0, pk_t), q5, s, input_precision=PREC)
+            s = tl.dot(_cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM0, pk_t), q6, s, input_precision=PREC)
+            s = tl.dot(_cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM0, pk_t), q7, s, input_precision=PREC)
         # padded columns have zero queries, so their scores stay finite; masked: keys past the split,
         # in verify steps keys after a column's query token, and the pairs the exact rule claims (a
         # pair is packed iff n >= SINK and qpos - n >= WINDOW)
@@ -340,6 +359,11 @@ def _narrow_decode_kernel(
                 a1 = a1 * alpha[None, :]
                 a2 = a2 * alpha[None, :]
                 a3 = a3 * alpha[None, :]
+                if SV == 8:
+                    a4 = a4 * alpha[None, :]
+                    a5 = a5 * alpha[None, :]
+                    a6 = a6 * alpha[None, :]
+                    a7 = a7 * alpha[None, :]
                 m_i = m_new
             p = tl.exp2(s - m_i[None, :])
             l_i = l_i + tl.sum(p, 0)
@@ -359,21 +383,36 @@ def _narrow_decode_kernel(
             a1 = a1 * alpha[None, :]
             a2 = a2 * alpha[None, :]
             a3 = a3 * alpha[None, :]
+            if SV == 8:
+                a4 = a4 * alpha[None, :]
+                a5 = a5 * alpha[None, :]
+                a6 = a6 * alpha[None, :]
+                a7 = a7 * alpha[None, :]
         pv = (p * vsc[:, None]).to(pk_t)
         a0 = _acc_cols(a0, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
         a1 = _acc_cols(a1, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
         a2 = _acc_cols(a2, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
         a3 = _acc_cols(a3, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
+        if SV == 8:
+            a4 = _acc_cols(a4, pv, vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
+            a5 = _acc_cols(a5, pv, vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
+            a6 = _acc_cols(a6, pv, vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
+            a7 = _acc_cols(a7, pv, vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if HAS_EXACT:  # the exact pairs are split 0's
         d = tl.arange(0, D)
         tl.store(obase + D + d[:, None], tl.zeros([D, N], dtype=out_ptr.dtype.element_ty), mask=h_ok[None, :])
     vs = vsum[None, :]
-    _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SW, D)
-    _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SW, D)
-    _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SW, D)
-    _store_cols(obase, a3 + vs, l_safe, h_ok, 3, SW, D)
+    _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SV, D)
+    _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SV, D)
+    _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SV, D)
+    _store_cols(obase, a3 + vs, l_safe, h_ok, 3, SV, D)
+    if SV == 8:
+        _store_cols(obase, a4 + vs, l_safe, h_ok, 4, SV, D)
+        _store_cols(obase, a5 + vs, l_safe, h_ok, 5, SV, D)
+        _store_cols(obase, a6 + vs, l_safe, h_ok, 6, SV, D)
+        _store_cols(obase, a7 + vs, l_safe, h_ok, 7, SV, D)
     if SPLIT:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, lse, mask=h_ok)
@@ -422,7 +461,8 @@ def launch(
         qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=cols(meta.max_query_len, hq // hkv), D=d,
         BS=kp.shape[2], BLOCK_N=block_n,
-        KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits, SW=S,
+        KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits,
+        SK=slices(layout.key_bits), SV=slices(layout.val_bits),
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
