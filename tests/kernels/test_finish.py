@@ -66,7 +66,7 @@ def test_finish_parts_matches_torch(splits, npart, rotated, d, dtype):
     layout = SimpleNamespace(rotated_values=rotated, val_rotation=rot)
     meta = SimpleNamespace(num_tokens=num_tokens)
     out = torch.full((T, hq, d), float("nan"), device=dev, dtype=dtype)
-    finish_parts(part if splits > 1 else part, lse, out, splits, npart, layout, meta, T, hq, d)
+    finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
     want = _want(part.cpu(), lse.cpu(), splits, npart, rot.cpu() if rotated else None, num_tokens, d)
     got = out.double().cpu()
     assert torch.isfinite(got).all()

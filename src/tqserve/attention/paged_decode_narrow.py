@@ -199,6 +199,12 @@ def _acc_cols(
 
 
 @triton.jit
+def _scale4(a0, a1, a2, a3, alpha):
+    """Four [d / S, N] accumulators times alpha per column (the online-softmax rescale)."""
+    return a0 * alpha[None, :], a1 * alpha[None, :], a2 * alpha[None, :], a3 * alpha[None, :]
+
+
+@triton.jit
 def _exact_program(
     obase, lse_row, qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr,
     req, kvh, hq, h_ok, tok_c, qpos, q_start, ctx, seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale,
@@ -355,15 +361,9 @@ def _narrow_decode_kernel(
                 alpha = tl.exp2(m_i - m_new)
                 l_i = l_i * alpha
                 vsum = vsum * alpha
-                a0 = a0 * alpha[None, :]
-                a1 = a1 * alpha[None, :]
-                a2 = a2 * alpha[None, :]
-                a3 = a3 * alpha[None, :]
+                a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
                 if SV == 8:
-                    a4 = a4 * alpha[None, :]
-                    a5 = a5 * alpha[None, :]
-                    a6 = a6 * alpha[None, :]
-                    a7 = a7 * alpha[None, :]
+                    a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
                 m_i = m_new
             p = tl.exp2(s - m_i[None, :])
             l_i = l_i + tl.sum(p, 0)
@@ -379,15 +379,9 @@ def _narrow_decode_kernel(
             if VAL_MODE == 2:
                 vsc, vze = _mm_terms(vsc, tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32), VAL_BITS)
                 vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
-            a0 = a0 * alpha[None, :]
-            a1 = a1 * alpha[None, :]
-            a2 = a2 * alpha[None, :]
-            a3 = a3 * alpha[None, :]
+            a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
             if SV == 8:
-                a4 = a4 * alpha[None, :]
-                a5 = a5 * alpha[None, :]
-                a6 = a6 * alpha[None, :]
-                a7 = a7 * alpha[None, :]
+                a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
         pv = (p * vsc[:, None]).to(pk_t)
         a0 = _acc_cols(a0, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
         a1 = _acc_cols(a1, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
