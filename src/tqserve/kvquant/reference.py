@@ -209,9 +209,14 @@ def minmax_encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     levels = (1 << bits) - 1
     lo, hi = x.amin(-1), x.amax(-1)
     zero = _fp16(lo)
-    scale = _fp16(_div(hi - zero.float(), levels).clamp_min(2.0**-24))
-    t = (x - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)
-    idx = torch.floor(t + 0.5).clamp(0, levels).long()
+    # float32 steps the store kernel takes as they are (one rounding each, no fused multiply-add):
+    # the range times RN(1 / levels), the row's IEEE reciprocal of the scale and offset 0.5 - zero /
+    # scale, then per element one multiply and one add; no per-element division
+    scale = _fp16(((hi - zero.float()) * torch.tensor(1.0 / levels, dtype=torch.float32)).clamp_min(2.0**-24))
+    inv = torch.ones_like(scale, dtype=torch.float32) / scale.float()
+    off = 0.5 - zero.float() * inv
+    t = x * inv.unsqueeze(-1) + off.unsqueeze(-1)
+    idx = torch.floor(t).clamp(0, levels).long()
     return pack_bits(idx, bits), scale, zero
 
 

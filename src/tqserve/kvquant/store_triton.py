@@ -9,11 +9,12 @@ Per side the program holds a tile of BT tokens x head_dim for one KV head.
 
 TurboQuant rotates with the randomized Hadamard transform itself rather than the dense R, in the
 reference's fixed point (`reference.tq_rotate`): the row is scaled by the power of two of its
-largest |x| and rounded to integers of at most 2^11 (one fma with 1.5 * 2^23), exact in fp16, and
-one tensor-core `tl.dot` per column tile of W <= 64 against the sign-folded +-1 matrix sums exact
-integers (every partial sum at most 2^17, so no accumulation order rounds); log2(block / W)
-butterfly stages across the tiles finish the block (exact below 2^24), and y = z / sqrt(block *
-||xi||^2) takes the reference's IEEE float32 operations. So y, and with it every index, is the
+largest |x| and rounded to integers of at most 2^11 (one fma with 1.5 * 2^23), exact in fp16, the
+signs flip its columns, and one tensor-core `tl.dot` per column tile of W <= 64 against the +-1
+matrix H_W (one per program, shared by the tiles) sums exact integers (every partial sum at most
+2^17, so no accumulation order rounds); log2(block / W) butterfly stages across the tiles finish
+the block (exact below 2^24), and y = z / sqrt(block * ||xi||^2) takes the reference's IEEE float32
+operations. So y, and with it every index, is the
 reference's bit for bit, on any card and for any input dtype; the scales' sums are int32 sums of
 terms rounded to 2^-21 (`reference.fixed_sum`), then IEEE float32 square root and division.
 Quantizing is one table lookup per element (`_tq_lookup`): round(y * CS) picks a cell of a small
@@ -70,6 +71,42 @@ _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 def _fp16_round(x):
     """What the reference's `_fp16` stores, back in float32 (clamped to the fp16 range)."""
     return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _mul_rn(a, b):
+    """a * b rounded by itself: the compiler may not fuse it with a following add into an fma (the
+    reference rounds both)."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def _rcp_rn(x):
+    """1 / x correctly rounded (IEEE, as torch divides), without div.rn's numerator scaling."""
+    if _ASM:
+        return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
+
+
+@triton.jit
+def _floor_index(u, LEVELS: tl.constexpr):
+    """floor(u) clamped to [0, LEVELS] (u float32, an integer tensor out). Clamping first gives the
+    same integer; on the GPU the floor is an add of 2^23 rounded toward zero, which leaves it in the
+    low mantissa bits (a full-rate add where a float-to-int conversion runs at a quarter of the rate)."""
+    u = tl.minimum(tl.maximum(u, 0.0), LEVELS * 1.0)
+    if _ASM:
+        t = tl.inline_asm_elementwise(
+            "add.rz.f32 $0, $1, 0f4B000000;", "=r,r", [u], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return t.to(tl.int32, bitcast=True) - 0x4B000000
+    else:
+        return tl.floor(u).to(tl.int32)
 
 
 @triton.jit
@@ -291,7 +328,7 @@ def _tq_pick(dot, cc, g, best_cos, best_g):
 def _unit_factor(n2, B: tl.constexpr):
     """1 / sqrt(B * n2) with IEEE float32 operations (0 for all-zero rows): y = float32(z) times this
     is the reference's R x / ||x|| on a Hadamard block of size B (B * n2 is exact, B a power of 2)."""
-    f = tl.math.div_rn(tl.full(n2.shape, 1.0, tl.float32), tl.sqrt_rn(n2 * B))
+    f = _rcp_rn(tl.sqrt_rn(n2 * B))
     return tl.where(n2 > 0, f, 0.0)
 
 
@@ -346,13 +383,20 @@ def _fixed_point(x, p):
 
 
 @triton.jit
-def _rot_tile(xi, had_ptr, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
-    """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (float32, |xi| <= 2^11), exact. The sign-
-    folded +-1 matrix of this tile sits at had_ptr + col0 * HS (fp16). xi and +-1 are exact in fp16,
-    and the tensor-core dot sums W <= 64 exact products into a float32 accumulator: every partial sum
-    is an integer of at most 2^17, so no order or accumulator width can round it."""
+def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
+    """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (float32, |xi| <= 2^11) at column col0,
+    exact: the signs flip xi's columns, and xi and the +-1 of H are exact in fp16, so the tensor-core
+    dot sums W <= 64 exact products into a float32 accumulator: every partial sum is an integer of
+    at most 2^17, so no order or accumulator width can round it. had_ptr holds the unsigned H_HS
+    (fp16, HS x HS), then the head's signs; hw is H_HS, loaded once per program for the tiles of width
+    HS (a narrower tile takes the top-left W x W of H_HS, which is H_W in Sylvester order). One matrix
+    for all tiles instead of one sign-folded matrix per tile: H100, 4bit_nc 0.0665 -> 0.0609 ms."""
     r = tl.arange(0, W)
-    hm = tl.load(had_ptr + col0 * HS + r[:, None] * W + r[None, :])
+    if W == HS:
+        hm = hw
+    else:
+        hm = tl.load(had_ptr + r[:, None] * HS + r[None, :])
+    xi = xi * tl.load(had_ptr + HS * HS + col0 + r).to(tl.float32)[None, :]
     if NSPLIT == 0:
         # the CPU interpreter: a float32 dot of the same integers (exact there too)
         z = tl.dot(xi, hm.to(tl.float32), input_precision="ieee")
@@ -405,33 +449,35 @@ def _tq_side(
         xt3 = _load_tile(x_ptr, xrow, tok_ok, O3, W3)
         amax = tl.maximum(amax, _absmax(xt3))
     p, rp = _fixed_scale(amax)
+    hr = tl.arange(0, W)
+    hw = tl.load(had_ptr + hr[:, None] * W + hr[None, :])  # H_W of every full-width tile
     xf, xi = _fixed_point(x0, p)
     sq = xi * xi
-    z0 = _rot_tile(xf, had_ptr, 0, W, W, NSPLIT)
+    z0 = _rot_tile(xf, had_ptr, hw, 0, W, W, NSPLIT)
     if G0 > 1:
         xf, xi = _fixed_point(x1, p)
         sq += xi * xi
-        z1 = _rot_tile(xf, had_ptr, W, W, W, NSPLIT)
+        z1 = _rot_tile(xf, had_ptr, hw, W, W, W, NSPLIT)
     if G0 > 2:
         xf, xi = _fixed_point(x2, p)
         sq += xi * xi
-        z2 = _rot_tile(xf, had_ptr, 2 * W, W, W, NSPLIT)
+        z2 = _rot_tile(xf, had_ptr, hw, 2 * W, W, W, NSPLIT)
         xf, xi = _fixed_point(x3, p)
         sq += xi * xi
-        z3 = _rot_tile(xf, had_ptr, 3 * W, W, W, NSPLIT)
+        z3 = _rot_tile(xf, had_ptr, hw, 3 * W, W, W, NSPLIT)
     n2 = tl.sum(sq, 1)
     if NT > G0:
         xf, xi = _fixed_point(xt1, p)
         n2 += tl.sum(xi * xi, 1)
-        t1 = _rot_tile(xf, had_ptr, O1, W1, W, NSPLIT)
+        t1 = _rot_tile(xf, had_ptr, hw, O1, W1, W, NSPLIT)
     if NT > G0 + 1:
         xf, xi = _fixed_point(xt2, p)
         n2 += tl.sum(xi * xi, 1)
-        t2 = _rot_tile(xf, had_ptr, O2, W2, W, NSPLIT)
+        t2 = _rot_tile(xf, had_ptr, hw, O2, W2, W, NSPLIT)
     if NT > G0 + 2:
         xf, xi = _fixed_point(xt3, p)
         n2 += tl.sum(xi * xi, 1)
-        t3 = _rot_tile(xf, had_ptr, O3, W3, W, NSPLIT)
+        t3 = _rot_tile(xf, had_ptr, hw, O3, W3, W, NSPLIT)
     n2f = n2.to(tl.float32)  # <= 2^30: exact below 2^24, rounded once above, as the reference
     n = tl.sqrt_rn(n2f) * rp  # ||x||: sqrt(n2) scaled by a power of two, exactly
     # the first block's butterflied tiles za.. (columns 0, W, 2W, 3W), integers; y = za * f0, and so on
@@ -585,14 +631,14 @@ def _store_side(
             lo = tl.min(tl.where(dmask[None, :], xr, float("inf")), 1).to(tl.float32)
             hi = tl.max(tl.where(dmask[None, :], xr, float("-inf")), 1).to(tl.float32)
             zero = _fp16_round(lo)
-            # IEEE divisions (div_rn), as torch computes the reference: Triton's `/` compiles to an
-            # approximate division, whose last-ulp differences moved indices across a rounding edge
-            sc = _fp16_round(
-                tl.maximum(tl.math.div_rn(hi - zero, tl.full(hi.shape, LEVELS, tl.float32)), 5.960464477539063e-08)
-            )
-            tq = tl.math.div_rn(x - zero[:, None], tl.broadcast_to(sc[:, None], x.shape))
-            # floor(tq + 0.5) clamped to [0, LEVELS]; truncation equals floor wherever the clamp keeps it
-            idx = tl.minimum(tl.maximum((tq + 0.5).to(tl.int32), 0), LEVELS)
+            # `reference.minmax_encode`'s float32 steps, each rounded as torch rounds it: the scale is
+            # the range times RN(1 / LEVELS), then per row the IEEE reciprocal and the offset 0.5 -
+            # zero / scale, per element one multiply and one add (no division: it cost the kernel
+            # ~15% of its instructions); `_mul_rn` keeps the compiler from fusing them into an fma
+            sc = _fp16_round(tl.maximum((hi - zero) * (1.0 / LEVELS), 5.960464477539063e-08))
+            inv = _rcp_rn(sc)
+            off = 0.5 - _mul_rn(zero, inv)
+            idx = _floor_index(_mul_rn(x, inv[:, None]) + off[:, None], LEVELS)
             _pack_tile(pay_ptr, tokp, tok_ok, idx, 0, BITS, D, BT, DP, GS)
             tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
             tl.store(zr_ptr + tokp, zero.to(tl.float16), mask=tok_ok)
@@ -716,17 +762,11 @@ def _tile_plan(blocks: list[int], wmax: int) -> tuple | None:
 
 
 def _tile_matrices(signs: torch.Tensor, tiles: tuple) -> torch.Tensor:
-    """diag(s[o:o + w]) @ H_w for every rotation tile (offset o, width w), flat: the tile at column
-    offset o starts at o * W (W the first tile's width, >= every w), as `_rot_tile` reads it.
-    H_w has entries +-1 (Sylvester order, H[i, j] = (-1) ** popcount(i & j)), exact in bf16 / fp16."""
+    """`_rot_tile`'s buffer, flat: H_W (W the first tile's width, the widest; entries +-1 in Sylvester
+    order, H[i, j] = (-1) ** popcount(i & j), exact in fp16), then the signs."""
     from tqserve.kvquant.rotation import fwht
 
-    w, g0, _, rest = tiles
-    out = torch.zeros(signs.numel() * w)
-    for o, width in [(i * w, w) for i in range(g0)] + rest:
-        m = signs[o : o + width, None].float() * fwht(torch.eye(width))
-        out[o * w : o * w + width * width] = m.flatten()
-    return out
+    return torch.cat([fwht(torch.eye(tiles[0])).flatten(), signs.float()])
 
 
 def _dense_signs(rot) -> torch.Tensor:
@@ -740,11 +780,10 @@ def _dense_signs(rot) -> torch.Tensor:
 class StorePlan:
     """Kernel arguments for one layer's format, built once (codebooks, signs, H moved to the device).
 
-    `wmax` caps the width of one rotation tile (the benchmark sweeps it). By default 32 where both
-    sides are TurboQuant with the nearest-centroid encoder and 32-column tiles cover the first
-    Hadamard block in at most four (H100, fixed-point kernel: tq3 0.0767 vs 0.0886 ms, tq4 0.1167 vs
-    0.1197, tq_k4v4_ub 0.0838 vs 0.0861), else 64 (4bit_nc 0.1434 vs 0.0773, 3bit_nc 0.1070 vs
-    0.0755 with one TurboQuant side)."""
+    `wmax` caps the width of one rotation tile (the benchmark sweeps it). By default 32 where 32-column
+    tiles cover the first Hadamard block in at most four and no side runs the gain search (H100, one
+    H_W for all tiles: 4bit_nc 0.0607 vs 0.0639 ms with 64, k3v4_nc 0.0585 vs 0.0592; both sides
+    TurboQuant, earlier kernel: tq3 0.0767 vs 0.0886, tq4 0.1167 vs 0.1197), else 64."""
 
     def __init__(self, fmt, device: torch.device | str, wmax: int | None = None) -> None:
         from tqserve.kvquant.formats import (
@@ -763,7 +802,7 @@ class StorePlan:
         self.search = False
         self.gains: torch.Tensor | None = None
         self.rot = self.tiles = None
-        self.had: torch.Tensor | None = None  # the rotation tiles' +-1 matrices, fp16
+        self.had: torch.Tensor | None = None  # H_W and the signs (`_rot_tile`), fp16
         self.sides = []  # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS))
         if isinstance(fmt, ExactFormat):
             self.sides = [
@@ -775,9 +814,8 @@ class StorePlan:
         if not isinstance(fmt, CodecFormat):
             raise NotImplementedError(f"no store kernel for {type(fmt).__name__}")
         if wmax is None:
-            codecs = (fmt.key_codec, fmt.value_codec)
-            both = all(isinstance(c, TurboQuantCodec) and not getattr(c, "search", False) for c in codecs)
-            wmax = 32 if both and _tile_plan(hadamard_blocks(d), 32) is not None else 64
+            search = any(getattr(c, "search", False) for c in (fmt.key_codec, fmt.value_codec))
+            wmax = 32 if not search and _tile_plan(hadamard_blocks(d), 32) is not None else 64
         modes = set()
         for side, codec in (("k", fmt.key_codec), ("v", fmt.value_codec)):
             if isinstance(codec, TurboQuantCodec):
