@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--old", action="append", default=[], help="label=path of another kernel module")
     ap.add_argument("--sweep", default="", help="comma-separated presets to also time at other launch shapes")
+    ap.add_argument(
+        "--shapes",
+        default="16:2,16:4,32:2,32:4,64:2,64:4,32:8,64:8,128:8",
+        help="the sweep's launch shapes: tokens:warps[:maxnreg], comma-separated",
+    )
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -75,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             cases.append((label, mod, plan, {}))
             tq = mod.TQ in {s[0] for s in plan.sides}
             if preset in args.sweep.split(",") and label != "old":
-                shapes = [(16, 2), (16, 4), (32, 2), (32, 4), (64, 2), (64, 4), (32, 8), (64, 8), (128, 8)]
-                shapes = shapes if tq else [(32, 4), (64, 4)]
-                for bt, nw in shapes:
-                    cases.append((f"{label} bt{bt} w{nw}", mod, plan, {"block_tokens": bt, "num_warps": nw}))
+                shapes = [[int(x) for x in sh.split(":")] for sh in args.shapes.split(",")]
+                shapes = shapes if tq else [[32, 4], [64, 4]]
+                for bt, nw, *mr in shapes:
+                    kw = {"block_tokens": bt, "num_warps": nw, **({"maxnreg": mr[0]} if mr else {})}
+                    cases.append((f"{label} bt{bt} w{nw}" + (f" r{mr[0]}" if mr else ""), mod, plan, kw))
                 if tq and label == "new":  # rotation tiles of 32 columns instead of 64
                     cases.append(("new W32", mod, mod.StorePlan(fmt, dev, wmax=32), {}))
                     cases.append(("new W32 bt32", mod, mod.StorePlan(fmt, dev, wmax=32), {"block_tokens": 32}))

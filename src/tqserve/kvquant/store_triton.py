@@ -899,9 +899,10 @@ def store_kv(
     slot_mapping: torch.Tensor,
     block_tokens: int | None = None,
     num_warps: int | None = None,
+    maxnreg: int | None = None,
 ) -> None:
     """Quantize and write k, v [T, Hkv, d] into page slots [T] (negative = skip), one launch.
-    `block_tokens` / `num_warps` override the launch shape (benchmark sweeps)."""
+    `block_tokens` / `num_warps` / `maxnreg` override the launch shape (benchmark sweeps)."""
     T, hkv, d = k.shape
     if k.stride(-1) != 1 or k.stride(-2) != d:
         k = k.contiguous()
@@ -940,5 +941,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        num_warps=warps,
+        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
