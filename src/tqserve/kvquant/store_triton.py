@@ -878,17 +878,23 @@ class StorePlan:
         return 8
 
 
-def _launch_shape(plan: StorePlan) -> tuple[int, int]:
-    """(tokens per program, warps), from the sweeps in docs/benchmarks.md (store): one TurboQuant side
-    at 16 tokens (H100, fixed-point kernel: 4bit_nc 0.0771 ms vs 0.1008 at 32; 3bit_nc 0.0755 vs 0.1040
-    at 64; k3v4_nc 0.0754 vs 0.1110 at 64, 0.0820 at 32 x 8 warps), two at 64 (tq3 0.0887 vs 0.1017 at
-    32 and 0.1046 at 16; tq4 0.1197 vs 0.1261-0.1363; tq_k4v4_ub 0.0861 vs 0.0990-0.1139); other
-    presets at 16 (32 and 64 measured no faster). The gain search (~50 quantizations per element) at
-    16 tokens (earlier kernel: tq4s 4.35 ms vs 4.88 at 64)."""
+def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
+    """(tokens per program, warps, register cap or None), from the sweeps in docs/benchmarks.md (store).
+    Hadamard-tiled TurboQuant at d <= 128 without the gain search (H100, this kernel, 16384 tokens x 8
+    heads x d 128): one TurboQuant side at 16 tokens x 2 warps capped at 80 registers (4bit_nc 0.0591
+    ms vs 0.0608 at 16 x 4, k3v4_nc 0.0575 vs 0.0589, 3bit_nc 0.0602 vs 0.0601), two sides at 32 x 2
+    capped at 128 (tq3 0.0720 vs 0.0769 at 64 x 4, tq_k4v4_ub 0.0809 vs 0.0831). Otherwise the earlier
+    table: two TurboQuant sides at 64 x 4 (earlier kernel: tq3 0.0887 vs 0.1017 at 32 and 0.1046 at 16;
+    tq4 0.1197 vs 0.1261-0.1363), everything else at 16 x 4 (one side: 4bit_nc 0.0771 vs 0.1008 at 32;
+    presets without TurboQuant: 32 and 64 no faster; the gain search, ~50 quantizations per element:
+    tq4s 4.35 ms vs 4.88 at 64)."""
     tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
+    tuned = plan.tiles is not None and not plan.search and plan.head_dim <= 128
     if len(tq) == 2 and not plan.search:
-        return 64, 4
-    return 16, 4
+        return (32, 2, 128) if tuned else (64, 4, None)
+    if len(tq) == 1 and tuned:
+        return 16, 2, 80
+    return 16, 4, None
 
 
 def store_kv(
@@ -911,8 +917,10 @@ def store_kv(
     first = pages[plan.sides[0][2]]
     bs = first.shape[2]
     dp = triton.next_power_of_2(d)
-    bt, warps = _launch_shape(plan)
-    bt, warps = block_tokens or bt, num_warps or warps
+    bt, warps, regs = _launch_shape(plan)
+    if block_tokens or num_warps:  # a sweep's shape: its own register cap or none
+        bt, warps, regs = block_tokens or bt, num_warps or warps, maxnreg
+    regs = None if os.environ.get("TRITON_INTERPRET") == "1" else regs
     args = []
     cells = []
     for (_mode, bits, pay, sc, zr, table), gs in zip(plan.sides, plan.group):
@@ -941,5 +949,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=warps, **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
