@@ -85,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 for bt, nw, *mr in shapes:
                     kw = {"block_tokens": bt, "num_warps": nw, **({"maxnreg": mr[0]} if mr else {})}
                     cases.append((f"{label} bt{bt} w{nw}" + (f" r{mr[0]}" if mr else ""), mod, plan, kw))
-                if tq and label == "new":  # rotation tiles of 32 columns instead of 64
-                    cases.append(("new W32", mod, mod.StorePlan(fmt, dev, wmax=32), {}))
-                    cases.append(("new W32 bt32", mod, mod.StorePlan(fmt, dev, wmax=32), {"block_tokens": 32}))
+                if tq and label == "new":  # rotation tiles of 64 columns instead of the default 32
+                    cases.append(("new W64", mod, mod.StorePlan(fmt, dev, wmax=64), {}))
         for label, mod, pl, kw in cases:
             try:
                 ms = _time(lambda mod=mod, pl=pl, kw=kw, p=pages, k=k, v=v, s=slots: mod.store_kv(p, pl, k, v, s, **kw))

@@ -814,8 +814,8 @@ class StorePlan:
         if not isinstance(fmt, CodecFormat):
             raise NotImplementedError(f"no store kernel for {type(fmt).__name__}")
         if wmax is None:
-            search = any(getattr(c, "search", False) for c in (fmt.key_codec, fmt.value_codec))
-            wmax = 32 if not search and _tile_plan(hadamard_blocks(d), 32) is not None else 64
+            any_search = any(getattr(c, "search", False) for c in (fmt.key_codec, fmt.value_codec))
+            wmax = 32 if not any_search and _tile_plan(hadamard_blocks(d), 32) is not None else 64
         modes = set()
         for side, codec in (("k", fmt.key_codec), ("v", fmt.value_codec)):
             if isinstance(codec, TurboQuantCodec):
