@@ -251,12 +251,12 @@ def test_cell_table_matches_bucketize(bits, d):
     want = torch.bucketize(y, bnd)
     for wobble in (1.0, 1.0 + 2.0**-21, 1.0 - 2.0**-21):
         yc = (y * (cs * wobble)).double()
-        # entry: [own boundary, base, c[base], c[base] ^ c[base + 1]] as int32 bits
-        e = tab.view(ncell, 4)[(yc.round().long() + halfc).clamp(0, ncell - 1)]
+        # entry: [own boundary as int32 bits, base]; the centroids' bits follow the entries
+        e = tab[: 2 * ncell].view(ncell, 2)[(yc.round().long() + halfc).clamp(0, ncell - 1)]
         up = y > e[:, 0].view(torch.float32)
         idx = e[:, 1] + up.int()
         assert torch.equal(idx.long(), want), f"{int((idx != want).sum())} indices differ"
-        cv = (e[:, 2] ^ torch.where(up, e[:, 3], 0)).view(torch.float32)
+        cv = tab[2 * ncell :][idx.long()].view(torch.float32)
         assert torch.equal(cv, cb[want])
 
 

@@ -192,35 +192,45 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     mantissa bits). `_cell_table` puts at most one boundary p in each cell and none within 5% of
     a cell edge, so the rounding of a * b never changes the count; the count itself is exact in
     y: the cells below y's hold `base` boundaries, and y > p adds the cell's own. A cell entry is
-    four int32 (bits of p, +inf where the cell has none; base; bits of c[base]; those xor the bits
-    of c[base + 1]).
+    two int32 (bits of p, +inf where the cell has none; base); the centroids' float32 bits follow
+    the NCELL entries and are read at the index found. A second, dependent load, but a warp's
+    gathers touch half the cache lines of 16-byte entries that also held c[base] and c[base + 1]
+    (H100: turboquant_4bit_nc store 0.0588 -> 0.0495 ms, tq_k4v4_ub 0.0801 -> 0.0688).
     |y| <= 1.01 stays inside the table; the unsigned clamp keeps NaN or out-of-range rows in it.
 
-    On the GPU the lookup is one inline-PTX block (one 16-byte load per element, its address by
-    one wide multiply-add), an elementwise op in whatever layout y has: a `tl.load` gather made
-    Triton move 64-bit pointer tensors from the MMA layout to a blocked one through shared memory
-    and the results back. The interpreter, which runs no PTX, takes the same steps in Triton."""
+    On the GPU the lookup is one inline-PTX block (an 8-byte load per element, its address by one
+    wide multiply-add, then the centroid's 4 bytes), an elementwise op in whatever layout y has: a
+    `tl.load` gather made Triton move 64-bit pointer tensors from the MMA layout to a blocked one
+    through shared memory and the results back. The interpreter, which runs no PTX, takes the same steps in Triton."""
     b = tl.zeros_like(y) + b  # a column or a scalar: the asm takes whole tiles
     if _ASM:
         z32 = tl.zeros(y.shape, dtype=tl.int32)
         idx, cv = tl.inline_asm_elementwise(
             """{
             .reg .f32 t, pb;
-            .reg .b32 c, m, bs, lo, dx;
+            .reg .b32 c, m, bs;
             .reg .b64 ad;
             fma.rn.f32 t, $3, $4, 0f4B400000;
             mov.b32 c, t;
             sub.s32 c, c, $6;
             min.u32 c, c, $7;
-            mad.wide.u32 ad, c, 16, $5;
-            ld.global.nc.v4.b32 {pb, bs, lo, dx}, [ad];
+            mad.wide.u32 ad, c, 8, $5;
+            ld.global.nc.v2.b32 {pb, bs}, [ad];
             set.gt.u32.f32 m, $2, pb;
             sub.s32 $0, bs, m;
-            and.b32 dx, dx, m;
-            xor.b32 $1, lo, dx;
+            mad.wide.s32 ad, $0, 4, $8;
+            ld.global.nc.b32 $1, [ad];
             }""",
-            "=r,=r,r,r,r,l,r,r",
-            [y, a, b, z32.to(tl.int64) + tab_ptr.to(tl.int64), z32 + (0x4B400000 - HALFC), z32 + (NCELL - 1)],
+            "=r,=r,r,r,r,l,r,r,l",
+            [
+                y,
+                a,
+                b,
+                z32.to(tl.int64) + tab_ptr.to(tl.int64),
+                z32 + (0x4B400000 - HALFC),
+                z32 + (NCELL - 1),
+                z32.to(tl.int64) + (tab_ptr + 2 * NCELL).to(tl.int64),
+            ],
             dtype=(tl.int32, tl.float32),
             is_pure=True,
             pack=1,
@@ -228,11 +238,10 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     else:
         t = a * b + 12582912.0
         cell = (t.to(tl.int32, bitcast=True) - (0x4B400000 - HALFC)).to(tl.uint32, bitcast=True)
-        cell = tl.minimum(cell, NCELL - 1).to(tl.int32) * 4
+        cell = tl.minimum(cell, NCELL - 1).to(tl.int32) * 2
         up = y > tl.load(tab_ptr + cell).to(tl.float32, bitcast=True)
         idx = tl.load(tab_ptr + cell + 1) + up.to(tl.int32)
-        lo = tl.load(tab_ptr + cell + 2)
-        cv = (lo ^ tl.where(up, tl.load(tab_ptr + cell + 3), 0)).to(tl.float32, bitcast=True)
+        cv = tl.load(tab_ptr + 2 * NCELL + idx).to(tl.float32, bitcast=True)
     return idx, cv
 
 
@@ -712,7 +721,7 @@ def _store_kv_kernel(
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
     """`_tq_lookup`'s table for centroids cb [L] and ascending boundaries bnd [L - 1] (float32):
-    (int32 table [NCELL, 4] flat: own boundary, base, c[base], c[base] ^ c[base + 1] as bits; NCELL,
+    (int32 table: [NCELL, 2] flat (own boundary as bits, base), then the L centroids' bits; NCELL,
     HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
     CS * y in [k - HALFC - 1/2, k - HALFC + 1/2). CS is picked so that every cell holds at most
     one boundary and none lies within `margin` of a cell edge (so y * CS may be computed with a
@@ -739,9 +748,7 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     base = torch.searchsorted(cell_of, k)  # boundaries in cells below k
     own = torch.full((ncell,), 0x7F800000, dtype=torch.long)  # +inf: no boundary in this cell
     own[cell_of] = bits32
-    lo = cbits[base]
-    hi = cbits[(base + 1).clamp_max(cb.numel() - 1)]
-    tab = torch.stack([own, base, lo, lo ^ hi], 1).to(torch.uint32).view(torch.int32).flatten()
+    tab = torch.cat([torch.stack([own, base], 1).flatten(), cbits]).to(torch.uint32).view(torch.int32)
     return tab, ncell, halfc, cs
 
 
@@ -879,21 +886,25 @@ class StorePlan:
 
 
 def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
-    """(tokens per program, warps, register cap or None), from the sweeps in docs/benchmarks.md (store).
-    Hadamard-tiled TurboQuant at d <= 128 without the gain search (H100, this kernel, 16384 tokens x 8
-    heads x d 128): one TurboQuant side at 16 tokens x 2 warps capped at 80 registers (4bit_nc 0.0591
-    ms vs 0.0608 at 16 x 4, k3v4_nc 0.0575 vs 0.0589, 3bit_nc 0.0602 vs 0.0601), two sides at 32 x 2
-    capped at 128 (tq3 0.0720 vs 0.0769 at 64 x 4, tq_k4v4_ub 0.0809 vs 0.0831). Otherwise the earlier
-    table: two TurboQuant sides at 64 x 4 (earlier kernel: tq3 0.0887 vs 0.1017 at 32 and 0.1046 at 16;
-    tq4 0.1197 vs 0.1261-0.1363), everything else at 16 x 4 (one side: 4bit_nc 0.0771 vs 0.1008 at 32;
-    presets without TurboQuant: 32 and 64 no faster; the gain search, ~50 quantizations per element:
+    """(tokens per program, warps, register cap or None), from the sweeps in docs/benchmarks.md (store,
+    thirteenth session: H100, 16384 tokens x 8 heads x d 128, this kernel with 8-byte cell entries).
+    Hadamard-tiled TurboQuant at d <= 128 without the gain search: a side packed in groups that cross
+    words (3 or 5 bits) takes one warp of 8 tokens (k3v4_nc 0.0498 ms vs 0.0505 at 16 x 2, 3bit_nc
+    0.0497 vs 0.0607, tq4 0.0832 vs 0.0844 at 16 x 2 and 0.1041 at 32 x 2), capped at 96 registers for
+    one TurboQuant side and 128 for two; otherwise one side at 16 tokens x 2 warps capped at 80
+    (4bit_nc 0.0494 ms, 0.0496 at 8 x 1), two sides at 16 x 2 capped at 128 (tq3 0.0673 vs 0.0722 at
+    32 x 2 x 168, where 32 x 2 x 128 spills; tq_k4v4_ub 0.0688 vs 0.0726). Other head sizes and the
+    gain search keep the earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4
+    (presets without TurboQuant: 32 and 64 no faster; the gain search, ~50 quantizations per element:
     tq4s 4.35 ms vs 4.88 at 64)."""
     tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
     tuned = plan.tiles is not None and not plan.search and plan.head_dim <= 128
+    if tuned and len(tq) > 0:
+        if any(g not in (None, 0) for g in plan.group):
+            return (8, 1, 128) if len(tq) == 2 else (8, 1, 96)
+        return (16, 2, 128) if len(tq) == 2 else (16, 2, 80)
     if len(tq) == 2 and not plan.search:
-        return (32, 2, 128) if tuned else (64, 4, None)
-    if len(tq) == 1 and tuned:
-        return 16, 2, 80
+        return 64, 4, None
     return 16, 4, None
 
 
