@@ -20,8 +20,8 @@ terms rounded to 2^-21 (`reference.fixed_sum`), then IEEE float32 square root an
 Quantizing is one table lookup per element (`_tq_lookup`): round(y * CS) picks a cell of a small
 table that holds at most one Lloyd-Max boundary per cell, never near a cell edge; the entry gives
 the number of boundaries below the cell and the cell's own boundary (one exact compare with y), so
-the index is exactly the reference's bucketize count; the centroid follows from the index. On the GPU the lookup
-is inline PTX, so it stays in the MMA layout of the rotated tile.
+the index is exactly the reference's bucketize count; the centroid follows from the index. On the
+GPU the lookup is inline PTX, so it stays in the MMA layout of the rotated tile.
 Indices are packed 8 at a time into one b-byte group (one 1-, 2- or 4-byte store for b = 1, 2,
 4; for odd b, 4 groups make b 32-bit words). Rotations whose Hadamard blocks don't fit the tiles
 (a block of 8, or more than four tiles) use the dense float32 R product instead.
@@ -201,7 +201,8 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     On the GPU the lookup is one inline-PTX block (an 8-byte load per element, its address by one
     wide multiply-add, then the centroid's 4 bytes), an elementwise op in whatever layout y has: a
     `tl.load` gather made Triton move 64-bit pointer tensors from the MMA layout to a blocked one
-    through shared memory and the results back. The interpreter, which runs no PTX, takes the same steps in Triton."""
+    through shared memory and the results back. The interpreter, which runs no PTX, takes the same
+    steps in Triton."""
     b = tl.zeros_like(y) + b  # a column or a scalar: the asm takes whole tiles
     if _ASM:
         z32 = tl.zeros(y.shape, dtype=tl.int32)
