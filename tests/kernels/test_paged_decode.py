@@ -215,6 +215,29 @@ def test_narrow_3bit_matches_reference(preset, hq, hkv, d, narrow_spy):
     assert len(narrow_spy) == 3
 
 
+def test_narrow_3bit_value_bytes_equal_words(narrow_spy, monkeypatch):
+    """3-bit min-max values of decode steps read as byte tiles (`paged_decode.MINMAX3_BYTES`) decode to
+    the same operands as the 4-byte words: outputs identical bit for bit, one split and several."""
+    d, hq, hkv, bs = 128, 8, 2, 16
+    ctx = [3000, 777, 150] if DEV.type == "cuda" else [70, 33]
+    gen = torch.Generator().manual_seed(11)
+    fmt = make_layer_format("turboquant_3bit_nc", 3, hkv, d, torch.bfloat16)  # the 3-bit min-max values
+    nblocks = sum((c + 1 + bs - 1) // bs for c in ctx) + 4
+    meta = make_meta(ctx, [1] * len(ctx), bs, nblocks, DEV, seed=11)
+    store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
+    fill_context(store, 0, meta, ctx, gen)
+    q, k, v = (torch.randn(len(ctx), h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+    fmt.write(store.pages[0], k, v, meta.slot_mapping)
+    lay = layout_for_format(fmt, DEV)
+    for splits in (None, 3):
+        outs = []
+        for on in (1, 0):
+            monkeypatch.setattr(paged_decode, "MINMAX3_BYTES", on)
+            outs.append(paged_attention(q, k, v, store.pages[0], lay, meta, d**-0.5, num_splits=splits))
+        assert torch.equal(outs[0], outs[1])
+    assert len(narrow_spy) == 4
+
+
 @pytest.mark.parametrize("tau", [0.5, 8.0])
 def test_narrow_lazy_rescale(tau, narrow_spy, monkeypatch):
     """Lazy online-softmax rescaling (accumulators rescaled only when a column's maximum grows by more

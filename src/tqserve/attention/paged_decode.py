@@ -122,6 +122,13 @@ MAXNREG = 0
 PAIR_TABLES = 1
 # 3-bit min-max values through `minmax_slices3` (1) or `_mm_slice`'s Triton ops (0), for A/B timing
 MINMAX3_ASM = 0
+# 3-bit min-max values of narrow decode steps (at most 8 columns) loaded as three byte tiles
+# (`_groups3_bytes`) instead of 4-byte words (`_groups3`); 0: words everywhere, for A/B timing. Bytes
+# joined by zero-extends, constant shifts and ors let Triton move the dot-operand conversion up to
+# the loads (3 conversions per key tile instead of one per slice: 8); the words' join / permute stops
+# that. Verify steps keep the words: there the asynchronous copies of the words matter more
+# (twelfth session, H100: 3bit_nc decode 32 x 32K 1.191 -> 0.866 ms, verify 1.330 -> 1.563 with bytes).
+MINMAX3_BYTES = 1
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 S3 = 8  # 3-bit codes: a 24-bit group of 8 (3 bytes of the bit stream), narrow kernel only
 
@@ -434,7 +441,9 @@ def _words(
         row = tokp[:, None]
         kk = k[None, :]
         m = nmask[:, None]
-    if WB == 3:  # 3-bit codes (S = 8)
+    if WB == 3 and RAW == 3:  # 3-bit codes (S = 8) as bytes, [K, BN] only (min-max values)
+        w = _groups3_bytes(ptr, row, nmask, K, NB)
+    elif WB == 3:  # 3-bit codes (S = 8)
         w = _groups3(ptr, row, nmask, K, NB, TRANS)
     elif WB == 1:
         w = tl.load(ptr + row * NB + kk, mask=m, other=0)  # uint8 pages: widening zero-extends
@@ -478,6 +487,18 @@ def _groups3(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, TRANS: tl.const
     else:
         w = tl.reshape(w, (w.shape[0], K))
     return w
+
+
+@triton.jit
+def _groups3_bytes(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr):
+    """`_groups3`'s [K, BN] groups from their three bytes each: zero-extends, constant shifts and ors
+    only, so the slices' conversion to the dot operand layout can happen on the byte tiles."""
+    bp = ptr.to(tl.pointer_type(tl.uint8)) + row * NB + 3 * tl.arange(0, K)[:, None]
+    m = nmask[None, :]
+    b0 = tl.load(bp, mask=m, other=0).to(tl.int32)
+    b1 = tl.load(bp + 1, mask=m, other=0).to(tl.int32)
+    b2 = tl.load(bp + 2, mask=m, other=0).to(tl.int32)
+    return b0 | (b1 << 8) | (b2 << 16)
 
 
 @triton.jit

@@ -36,6 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tqserve.attention import paged_decode
 from tqserve.attention.paged import CODEBOOK, LAST_LAUNCH, _exact_masks, _interpreting, _load_exact, _tile_rows
 from tqserve.attention.paged_decode import _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile, slices
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
@@ -262,11 +263,13 @@ def _narrow_decode_kernel(
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
+    V3_BYTES: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
     KRAW: tl.constexpr = KASM0 != ""
-    VRAW: tl.constexpr = VASM0 != ""
+    # 3-bit min-max values of decode steps as byte tiles (`paged_decode.MINMAX3_BYTES`)
+    VRAW: tl.constexpr = 3 if (V3_BYTES and VAL_MODE != 1 and VAL_BITS == 3 and N <= 8) else (VASM0 != "")
     pid_rh = tl.program_id(0)
     pid_s = tl.program_id(1)
     req = pid_rh // HKV
@@ -460,7 +463,7 @@ def launch(
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
-        LAZY_TAU=lazy_tau(cols(meta.max_query_len, hq // hkv)),
+        LAZY_TAU=lazy_tau(cols(meta.max_query_len, hq // hkv)), V3_BYTES=bool(paged_decode.MINMAX3_BYTES),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
