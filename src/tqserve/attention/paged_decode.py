@@ -126,8 +126,10 @@ MINMAX3_ASM = 0
 # (`_groups3_bytes`) instead of 4-byte words (`_groups3`); 0: words everywhere, for A/B timing. Bytes
 # joined by zero-extends, constant shifts and ors let Triton move the dot-operand conversion up to
 # the loads (3 conversions per key tile instead of one per slice: 8); the words' join / permute stops
-# that. Verify steps keep the words: there the asynchronous copies of the words matter more
-# (twelfth session, H100: 3bit_nc decode 32 x 32K 1.191 -> 0.866 ms, verify 1.330 -> 1.563 with bytes).
+# that. Verify steps keep the words (twelfth session: 1.330 -> 1.563 ms with bytes). H100, thirteenth
+# session, turboquant_3bit_nc decode 32 x 32K, same splits: 0.849 vs 0.883 ms (6), 0.856 vs 0.889
+# (12); as planned (bytes: 167 registers, 12 programs per SM, 6 splits; words: 139, 14, 7 splits)
+# 0.856 vs 1.180 - most of that is the split count: 7 splits cost the words 1.169 ms, 6 only 0.883.
 MINMAX3_BYTES = 1
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 S3 = 8  # 3-bit codes: a 24-bit group of 8 (3 bytes of the bit stream), narrow kernel only

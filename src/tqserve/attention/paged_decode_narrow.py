@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from tqserve.attention import paged_decode
-from tqserve.attention.paged import CODEBOOK, LAST_LAUNCH, _exact_masks, _interpreting, _load_exact, _tile_rows
+from tqserve.attention.paged import CODEBOOK, LAST_LAUNCH, MINMAX, _exact_masks, _interpreting, _load_exact, _tile_rows
 from tqserve.attention.paged_decode import _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile, slices
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
@@ -132,6 +132,12 @@ def launch_config(
     return NUM_WARPS, BLOCK_N, NUM_STAGES, MAXNREG
 
 
+def v3_bytes(layout, n_cols: int) -> bool:
+    """Whether the kernel reads 3-bit min-max values as byte tiles (`paged_decode.MINMAX3_BYTES`):
+    decode steps (at most 8 columns) only."""
+    return bool(paged_decode.MINMAX3_BYTES) and layout.val_mode == MINMAX and layout.val_bits == 3 and n_cols <= 8
+
+
 def resident_per_sm(n_regs: int, shared: int, warps: int, sm_regs: int = 65536, sm_shared: int = 233472) -> int:
     """Programs one SM holds at once: registers (allocated per warp in units of 256), shared memory
     (+1 KB the hardware reserves per block), threads (2,048) and the 32-block limit."""
@@ -171,7 +177,7 @@ def plan(
     exact = bool(layout.sink or layout.window)
     warps, block_n, stages, maxnreg = launch_config(head_dim, layout.val_mode == CODEBOOK, n_cols, exact)
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
-    key += (lazy_tau(n_cols), warps, block_n, stages, maxnreg)
+    key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
@@ -268,8 +274,7 @@ def _narrow_decode_kernel(
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
     KRAW: tl.constexpr = KASM0 != ""
-    # 3-bit min-max values of decode steps as byte tiles (`paged_decode.MINMAX3_BYTES`)
-    VRAW: tl.constexpr = 3 if (V3_BYTES and VAL_MODE != 1 and VAL_BITS == 3 and N <= 8) else (VASM0 != "")
+    VRAW: tl.constexpr = 3 if V3_BYTES else (VASM0 != "")  # 3-bit min-max values as byte tiles (`v3_bytes`)
     pid_rh = tl.program_id(0)
     pid_s = tl.program_id(1)
     req = pid_rh // HKV
@@ -463,7 +468,8 @@ def launch(
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
-        LAZY_TAU=lazy_tau(cols(meta.max_query_len, hq // hkv)), V3_BYTES=bool(paged_decode.MINMAX3_BYTES),
+        LAZY_TAU=lazy_tau(cols(meta.max_query_len, hq // hkv)),
+        V3_BYTES=v3_bytes(layout, cols(meta.max_query_len, hq // hkv)),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
