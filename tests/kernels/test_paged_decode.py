@@ -152,7 +152,11 @@ def test_narrow_splits_fill_one_wave():
     and split-K counts that keep (request, KV head) pairs x splits within one wave of resident
     programs, at least 4 key tiles per split, at most MAX_SPLITS."""
     assert narrow.resident_per_sm(128, 13 * 1024, 1) == 16  # registers: 65536 / (128 x 32)
-    assert narrow.resident_per_sm(215, 26 * 1024, 1) == 8  # 216 -> 224 per thread after rounding: 9; smem 8
+    assert narrow.resident_per_sm(215, 26 * 1024, 1) == 8  # 6,912 a warp: 2 per sub-partition; smem 8
+    # warps come in fours (one per sub-partition of 16,384 registers): 139 -> 4,608 a warp, 3 per quarter
+    assert narrow.resident_per_sm(139, 6784, 1) == 12
+    assert narrow.resident_per_sm(200, 9216, 1) == 8  # 6,400 a warp: 2 per quarter (65,536 // 6,400 = 10)
+    assert narrow.resident_per_sm(168, 0, 2) == 6  # 5,376 a warp: 12 warps, 6 two-warp programs
     assert narrow.resident_per_sm(64, 100 * 1024, 1) == 2  # shared memory bound
     assert narrow.resident_per_sm(32, 0, 1) == 32  # the block limit
     assert narrow.resident_per_sm(128, 0, 4) == 4  # 4 warps of 128 registers

@@ -139,10 +139,14 @@ def v3_bytes(layout, n_cols: int) -> bool:
 
 
 def resident_per_sm(n_regs: int, shared: int, warps: int, sm_regs: int = 65536, sm_shared: int = 233472) -> int:
-    """Programs one SM holds at once: registers (allocated per warp in units of 256), shared memory
-    (+1 KB the hardware reserves per block), threads (2,048) and the 32-block limit."""
+    """Programs one SM holds at once: registers, shared memory (+1 KB the hardware reserves per block),
+    threads (2,048) and the 32-block limit. Registers are allocated per warp in units of 256 from the
+    file of one of the SM's 4 sub-partitions (a quarter each), so the SM keeps 4 x floor(16,384 / per-warp
+    registers) warps: the CUDA occupancy calculator's warp granularity of 4. At 139 registers that is
+    12 one-warp programs, not 65,536 // 4,608 = 14 (H100, thirteenth session, turboquant_3bit_nc 32 x
+    32K: the 7 splits planned for 14 per SM ran 1.169 ms, 6 splits 0.883, 8-9 splits 1.03-1.04)."""
     regs_per_warp = -(-max(1, n_regs) * 32 // 256) * 256
-    by_regs = sm_regs // (regs_per_warp * warps)
+    by_regs = 4 * (sm_regs // 4 // regs_per_warp) // warps
     by_smem = sm_shared // (shared + 1024)
     return max(1, min(by_regs, by_smem, 2048 // (32 * warps), 32))
 
