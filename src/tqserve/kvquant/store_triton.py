@@ -900,7 +900,7 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     tq4s 4.35 ms vs 4.88 at 64)."""
     tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
     tuned = plan.tiles is not None and not plan.search and plan.head_dim <= 128
-    if tuned and len(tq) > 0:
+    if tuned:  # (a tile plan means at least one TurboQuant side)
         if any(g not in (None, 0) for g in plan.group):
             return (8, 1, 128) if len(tq) == 2 else (8, 1, 96)
         return (16, 2, 128) if len(tq) == 2 else (16, 2, 80)
