@@ -133,7 +133,9 @@ def test_launch_configs():
     assert paged_decode.program_rows(1, 4) == 16 and paged_decode.program_rows(5, 4) == 32
     assert paged_decode.program_rows(5, 7) == 64  # GQA 7 pads to 8
     nw = narrow.NUM_WARPS
-    assert narrow.launch_config(128, False) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES, 0)
+    # min-max values: 4-bit ones capped (the scalars' word loads), 3-bit ones not (they would spill)
+    assert narrow.launch_config(128, False) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES, narrow.MM4_MAXNREG)
+    assert narrow.launch_config(128, False, 8, False, 3) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES, 0)
     assert narrow.launch_config(128, True) == (nw, narrow.CB_VALUES_BLOCK_N, narrow.CB_VALUES_STAGES, 0)
     assert narrow.launch_config(256, True) == (nw, narrow.WIDE_D_BLOCK_N, narrow.WIDE_D_STAGES, 0)
     assert narrow.launch_config(64, True) == (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES, 0)
@@ -145,6 +147,19 @@ def test_launch_configs():
     small_exact = (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES)
     assert narrow.launch_config(64, True, 8, True) == (*small_exact, narrow.SMALL_D_EXACT_DECODE_MAXNREG)
     assert narrow.launch_config(64, True, 16, True) == (*small_exact, narrow.SMALL_D_EXACT_MAXNREG)
+
+
+def test_narrow_pair_scalars_rule(monkeypatch):
+    """Scalars through 32-bit words everywhere but decode steps over codebook values without exact
+    copies; PAIR_SCALARS = 0 / 2 turn them off / on everywhere."""
+    mm, cb, exact = _layout("turboquant_4bit_nc"), _layout("tq_k4v4_ub"), _layout("tq3")
+    assert narrow.pair_scalars(mm, 8) and narrow.pair_scalars(mm, 32) and narrow.pair_scalars(exact, 8)
+    assert not narrow.pair_scalars(cb, 8) and narrow.pair_scalars(cb, 32)
+    monkeypatch.setattr(narrow, "PAIR_SCALARS", 0)
+    assert not narrow.pair_scalars(mm, 8) and not narrow.pair_scalars(exact, 32)
+    assert narrow.launch_config(128, False)[3] == 0
+    monkeypatch.setattr(narrow, "PAIR_SCALARS", 2)
+    assert narrow.pair_scalars(cb, 8)
 
 
 def test_narrow_splits_fill_one_wave():
@@ -240,6 +255,51 @@ def test_narrow_3bit_value_bytes_equal_words(narrow_spy, monkeypatch):
             outs.append(paged_attention(q, k, v, store.pages[0], lay, meta, d**-0.5, num_splits=splits))
         assert torch.equal(outs[0], outs[1])
     assert len(narrow_spy) == 4
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "tq_k4v4_ub", "turboquant_3bit_nc"])
+def test_narrow_pair_scalars_equal_loads(preset, narrow_spy, monkeypatch):
+    """Per-token scalars read through their 32-bit words (`paged._token_scalars`) give the outputs of
+    one 2-byte load per key, bit for bit, on decode and verify steps (odd sequence lengths: a tile's
+    last pair straddles the end), with NaN in every page slot no request wrote (a word's other half
+    past the end must not reach the output)."""
+    d, hq, hkv, bs = 128, 8, 2, 16
+    ctx = [3001, 777, 150] if DEV.type == "cuda" else [69, 34]
+    gen = torch.Generator().manual_seed(12)
+    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
+    nblocks = sum((c + 5 + bs - 1) // bs for c in ctx) + 4
+    for qlen in (1, 3):
+        meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=12)
+        store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
+        for t in store.pages[0].values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+        fill_context(store, 0, meta, ctx, gen)
+        n = len(ctx) * qlen
+        q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+        fmt.write(store.pages[0], k, v, meta.slot_mapping)
+        lay = layout_for_format(fmt, DEV)
+        for splits in (None, 3):
+            outs = []
+            for on in (2, 0):
+                monkeypatch.setattr(narrow, "PAIR_SCALARS", on)
+                outs.append(
+                    paged_attention(
+                        q,
+                        k,
+                        v,
+                        store.pages[0],
+                        lay,
+                        meta,
+                        d**-0.5,
+                        num_splits=splits,
+                        ring=store.ring[0],
+                        sinks=store.sinks[0],
+                    )  # fmt: skip
+                )
+            assert not outs[0].isnan().any()
+            assert torch.equal(outs[0], outs[1])
+    assert len(narrow_spy) == 8
 
 
 @pytest.mark.parametrize("tau", [0.5, 8.0])

@@ -37,7 +37,16 @@ import triton
 import triton.language as tl
 
 from tqserve.attention import paged_decode
-from tqserve.attention.paged import CODEBOOK, LAST_LAUNCH, MINMAX, _exact_masks, _interpreting, _load_exact, _tile_rows
+from tqserve.attention.paged import (
+    CODEBOOK,
+    LAST_LAUNCH,
+    MINMAX,
+    _exact_masks,
+    _interpreting,
+    _load_exact,
+    _tile_rows,
+    _token_scalars,
+)
 from tqserve.attention.paged_decode import _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile, slices
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
@@ -70,11 +79,22 @@ MAXNREG = 0  # register cap of every other configuration (0: the compiler's choi
 # (8 columns) gain nothing (0.545 vs 0.529 ms at 32 x 32K), so only verify steps take it.
 LAZY_TAU = 8.0
 LAZY_MIN_COLS = 32
+# Per-token fp16 scalars (norms, scales, zeros) read through their 32-bit words, which the pipeliner
+# copies ahead (`paged._token_scalars`): 1 where it pays (`pair_scalars`), 2 everywhere, 0 nowhere
+# (one 2-byte load per key, waited on inside each key tile). H100, fourteenth session, 32 x 32K:
+# verify tq3 1.078 -> 0.955 ms, tq_k4v4_ub 0.991 -> 0.889; decode with 4-bit min-max values at
+# MM4_MAXNREG 1 x 128K 4bit_nc 0.091 -> 0.085; decode with codebook values (tq_k4v4_ub, 254
+# registers either way) 0.576 -> 0.601, so those keep the 2-byte loads.
+PAIR_SCALARS = 1
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
 CB_VALUES_BLOCK_N = 64
 CB_VALUES_STAGES = 2
+# d = 128 decode with 4-bit min-max values (no exact copies): the word loads of the scalars take 14
+# registers more (142), which would cost 4 of 16 programs per SM; capped, 4bit_nc 32 x 32K 0.562 ->
+# 0.527 ms (no spills). 3-bit values (168 registers) spill at 128 and stay uncapped.
+MM4_MAXNREG = 128
 WIDE_D_BLOCK_N = 32
 WIDE_D_STAGES = 2
 EXACT_BLOCK_N = 64  # d >= 128 with exact copies (tq3, 32 x 32K: 0.579 ms; 32-key tiles at 128 registers 0.575)
@@ -115,7 +135,7 @@ def cols(max_query_len: int, group: int) -> int:
 
 
 def launch_config(
-    head_dim: int, codebook_values: bool, n_cols: int = 8, exact: bool = False
+    head_dim: int, codebook_values: bool, n_cols: int = 8, exact: bool = False, val_bits: int = 4
 ) -> tuple[int, int, int, int]:
     """(warps, key tile, pipeline stages, register cap or 0)."""
     if n_cols > 16:
@@ -129,7 +149,15 @@ def launch_config(
         return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES, MAXNREG
     if codebook_values:
         return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES, MAXNREG
-    return NUM_WARPS, BLOCK_N, NUM_STAGES, MAXNREG
+    return NUM_WARPS, BLOCK_N, NUM_STAGES, MAXNREG or (MM4_MAXNREG if val_bits == 4 and PAIR_SCALARS else 0)
+
+
+def pair_scalars(layout, n_cols: int) -> bool:
+    """Whether the kernel reads the per-token scalars through 32-bit words (`PAIR_SCALARS`): every
+    step but decode steps over codebook values without exact copies."""
+    if PAIR_SCALARS != 1:
+        return bool(PAIR_SCALARS)
+    return not (layout.val_mode == CODEBOOK and n_cols <= 16 and not (layout.sink or layout.window))
 
 
 def v3_bytes(layout, n_cols: int) -> bool:
@@ -179,9 +207,11 @@ def plan(
     (`launch` passes it on) last."""
     n_cols = cols(max_query_len, group)
     exact = bool(layout.sink or layout.window)
-    warps, block_n, stages, maxnreg = launch_config(head_dim, layout.val_mode == CODEBOOK, n_cols, exact)
+    warps, block_n, stages, maxnreg = launch_config(
+        head_dim, layout.val_mode == CODEBOOK, n_cols, exact, layout.val_bits
+    )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
-    key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), warps, block_n, stages, maxnreg)
+    key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols), warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
@@ -207,6 +237,15 @@ def _acc_cols(
 ):  # fmt: skip
     """acc_j^T [d / S, N] plus the value slice j [d / S, keys] times p^T [keys, N]."""
     return tl.dot(_v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T), pv, acc, input_precision=PREC)
+
+
+@triton.jit
+def _scalars(ptr, tokp, nmask, PAIRS: tl.constexpr):
+    """Per-token fp16 scalars of a key tile as float32: through their 32-bit words (`_token_scalars`,
+    copied ahead by the pipeliner) or one 2-byte load each."""
+    if PAIRS:
+        return _token_scalars(ptr, tokp, nmask)
+    return tl.load(ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -273,7 +312,7 @@ def _narrow_decode_kernel(
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
-    V3_BYTES: tl.constexpr,
+    V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -343,8 +382,8 @@ def _narrow_decode_kernel(
         tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
         kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW)  # [keys, words]
         vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW)  # [words, keys]
-        ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
-        vsc = tl.load(vs_ptr + tokp, mask=nmask, other=0.0).to(tl.float32)
+        ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
+        vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
         s = tl.dot(_cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), q0, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), q1, s, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), q2, s, input_precision=PREC)
@@ -380,7 +419,7 @@ def _narrow_decode_kernel(
             p = tl.exp2(s - m_i[None, :])
             l_i = l_i + tl.sum(p, 0)
             if VAL_MODE == 2:
-                vsc, vze = _mm_terms(vsc, tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32), VAL_BITS)
+                vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
                 vsum = vsum + tl.sum(p * vze[:, None], 0)
         else:
             m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -389,7 +428,7 @@ def _narrow_decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
             if VAL_MODE == 2:
-                vsc, vze = _mm_terms(vsc, tl.load(vz_ptr + tokp, mask=nmask, other=0.0).to(tl.float32), VAL_BITS)
+                vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
                 vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
             a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
             if SV == 8:
@@ -473,7 +512,7 @@ def launch(
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(cols(meta.max_query_len, hq // hkv)),
-        V3_BYTES=v3_bytes(layout, cols(meta.max_query_len, hq // hkv)),
+        V3_BYTES=v3_bytes(layout, cols(meta.max_query_len, hq // hkv)), PAIR_SCALARS=pair_scalars(layout, cols(meta.max_query_len, hq // hkv)),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
