@@ -499,20 +499,20 @@ def launch(
     qx, k_new, v_new, rk, rv, sk, sv = exact
     npart = 2 if layout.sink or layout.window else 1
     grid = (meta.num_reqs * hkv, splits)
+    n_cols = cols(meta.max_query_len, hq // hkv)
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
         qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
-        HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=cols(meta.max_query_len, hq // hkv), D=d,
+        HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_cols, D=d,
         BS=kp.shape[2], BLOCK_N=block_n,
         KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits,
         SK=slices(layout.key_bits), SV=slices(layout.val_bits),
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
-        LAZY_TAU=lazy_tau(cols(meta.max_query_len, hq // hkv)),
-        V3_BYTES=v3_bytes(layout, cols(meta.max_query_len, hq // hkv)), PAIR_SCALARS=pair_scalars(layout, cols(meta.max_query_len, hq // hkv)),
+        LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pair_scalars(layout, n_cols),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
