@@ -302,6 +302,37 @@ def test_narrow_pair_scalars_equal_loads(preset, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 8
 
 
+@pytest.mark.parametrize(("preset", "d"), [("turboquant_4bit_nc", 128), ("tq3", 64), ("turboquant_3bit_nc", 256)])
+def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
+    """The query rotated inside the kernel (Hadamard slices and butterflies, `QROT`) against the rotation
+    before the launch (`rotate_rows`): the same outputs to float32 rounding, decode and verify, with the
+    dispatch rule (power-of-two d, at least 16 coordinates per slice)."""
+    assert narrow.rotates_query(_layout(preset, d=d), d)
+    assert not narrow.rotates_query(_layout("turboquant_3bit_nc", d=64), 64)  # 8 coordinates per slice
+    assert not narrow.rotates_query(_layout("turboquant_4bit_nc", d=96), 96)  # two Hadamard blocks
+    hq, hkv, bs = 8, 2, 16
+    ctx = [3001, 777, 150] if DEV.type == "cuda" else [69, 34]
+    gen = torch.Generator().manual_seed(13)
+    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
+    nblocks = sum((c + 5 + bs - 1) // bs for c in ctx) + 4
+    for qlen in (1, 3):
+        meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=13)
+        store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
+        fill_context(store, 0, meta, ctx, gen)
+        n = len(ctx) * qlen
+        q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+        fmt.write(store.pages[0], k, v, meta.slot_mapping)
+        lay = layout_for_format(fmt, DEV)
+        outs = []
+        for on in (1, 0):
+            monkeypatch.setattr(narrow, "QROT", on)
+            o = paged_attention(q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0])
+            outs.append(o.float())
+        err = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
+        assert err < 4e-3, err  # bf16 outputs: a last-bit flip at most
+    assert len(narrow_spy) == 4
+
+
 @pytest.mark.parametrize("tau", [0.5, 8.0])
 def test_narrow_lazy_rescale(tau, narrow_spy, monkeypatch):
     """Lazy online-softmax rescaling (accumulators rescaled only when a column's maximum grows by more

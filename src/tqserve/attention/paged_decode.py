@@ -968,7 +968,9 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
 
     qx = q
     model_f32 = qx.dtype == torch.float32
-    q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
+    rot_in_kernel = use_narrow and narrow.rotates_query(layout, d)
+    if not rot_in_kernel:
+        q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
     rotated = layout.rotated_values
     npart = 2 if exact_copies else 1  # exact values accumulate beside the sliced page accumulators
     if out is None:
@@ -1004,6 +1006,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         narrow.launch(
             q, kp, ks, vp, vs, vz, kcb, vcb, meta, part, lse, stride_os, splits, split_n, scale * LOG2E,
             layout, kasm, vasm, dot_f32, prec, warps, block_n, stages, narrow_key, (qx, k_new, v_new, rk, rv, sk, sv),
+            layout.key_rotation if rot_in_kernel else None,
         )  # fmt: skip
         return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
     grid = (n_qblocks, meta.num_reqs * hkv, splits)

@@ -86,6 +86,9 @@ LAZY_MIN_COLS = 32
 # MM4_MAXNREG 1 x 128K 4bit_nc 0.091 -> 0.085; decode with codebook values (tq_k4v4_ub, 254
 # registers either way) 0.576 -> 0.601, so those keep the 2-byte loads.
 PAIR_SCALARS = 1
+# Rotate the query inside the kernel (`rotates_query`), saving the step a launch of `rotate_rows`
+# (1 x 128K: 3.3 of ~80 us); 0: rotated before the launch (for A/B timing)
+QROT = 1
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -152,6 +155,14 @@ def launch_config(
     return NUM_WARPS, BLOCK_N, NUM_STAGES, MAXNREG or (MM4_MAXNREG if val_bits == 4 and PAIR_SCALARS else 0)
 
 
+def rotates_query(layout, head_dim: int) -> bool:
+    """Whether the kernel rotates the query itself (`QROT`): a power-of-two head size (R is one
+    randomized Hadamard block, `kvquant.rotation`) with at least 16 coordinates per slice (the
+    dot's minimum); else `rotate.rotate_rows` runs before it."""
+    sk = paged_decode.slices(layout.key_bits)
+    return bool(QROT) and head_dim & (head_dim - 1) == 0 and head_dim // sk >= 16 and layout.key_rotation is not None
+
+
 def pair_scalars(layout, n_cols: int) -> bool:
     """Whether the kernel reads the per-token scalars through 32-bit words (`PAIR_SCALARS`): every
     step but decode steps over codebook values without exact copies."""
@@ -211,7 +222,8 @@ def plan(
         head_dim, layout.val_mode == CODEBOOK, n_cols, exact, layout.val_bits
     )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
-    key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols), warps, block_n, stages, maxnreg)
+    key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols), rotates_query(layout, head_dim))
+    key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
@@ -222,6 +234,78 @@ def _q_cols(q_ptr, tok, hq, h_ok, j: tl.constexpr, qk_scale, S: tl.constexpr, D:
     g = tl.arange(0, D // S)
     x = tl.load(q_ptr + tok + hq[None, :] * D + g[:, None] * S + j, mask=h_ok[None, :], other=0.0)
     return (x.to(tl.float32) * qk_scale).to(OUT_T)
+
+
+@triton.jit
+def _sylvester(n: tl.constexpr):
+    """Sylvester's [n, n] Hadamard matrix, H[i, j] = (-1) ** popcount(i & j), float32 (n <= 256)."""
+    i = tl.arange(0, n)
+    x = i[:, None] & i[None, :]
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
+def _q_signed(q_ptr, r_ptr, tok, hq, h_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    """H_{D/S} (s * x) of the unrotated query's slice j ([D / S, N], coordinates S g + j): the sign of
+    each coordinate is that of R's first row (R = H diag(s) / sqrt(D)); 16-bit queries and +-1 are
+    exact in tf32, so the dot only rounds its float32 sums."""
+    g = tl.arange(0, D // S)
+    x = tl.load(q_ptr + tok + hq[None, :] * D + g[:, None] * S + j, mask=h_ok[None, :], other=0.0).to(tl.float32)
+    sign = tl.where(tl.load(r_ptr + g * S + j) > 0.0, 1.0, -1.0)
+    return tl.dot(_sylvester(D // S), x * sign[:, None], input_precision=PREC)
+
+
+@triton.jit
+def _bfly(a, b):
+    return a + b, a - b
+
+
+@triton.jit
+def _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr):
+    """The 4 slices of R q for 4 coordinates per word (`_q_cols` of the rotated query, scaled): with
+    coordinate i = 4 g + j, H_D = H_{D/4} (over g) x H_4 (over j), so each slice takes one dot with
+    H_{D/4} and the 4 are mixed by a 2-stage butterfly. `scale` includes 1 / sqrt(D)."""
+    y0 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 0, 4, D, PREC)
+    y1 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 1, 4, D, PREC)
+    y2 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 2, 4, D, PREC)
+    y3 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 3, 4, D, PREC)
+    y0, y1 = _bfly(y0, y1)
+    y2, y3 = _bfly(y2, y3)
+    y0, y2 = _bfly(y0, y2)
+    y1, y3 = _bfly(y1, y3)
+    return (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T)
+
+
+@triton.jit
+def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr):
+    """`_rot_q4` for 8 coordinates per group (3-bit codes): H_D = H_{D/8} x H_8, a 3-stage butterfly."""
+    y0 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 0, 8, D, PREC)
+    y1 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 1, 8, D, PREC)
+    y2 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 2, 8, D, PREC)
+    y3 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 3, 8, D, PREC)
+    y4 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 4, 8, D, PREC)
+    y5 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 5, 8, D, PREC)
+    y6 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 6, 8, D, PREC)
+    y7 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 7, 8, D, PREC)
+    y0, y1 = _bfly(y0, y1)
+    y2, y3 = _bfly(y2, y3)
+    y4, y5 = _bfly(y4, y5)
+    y6, y7 = _bfly(y6, y7)
+    y0, y2 = _bfly(y0, y2)
+    y1, y3 = _bfly(y1, y3)
+    y4, y6 = _bfly(y4, y6)
+    y5, y7 = _bfly(y5, y7)
+    y0, y4 = _bfly(y0, y4)
+    y1, y5 = _bfly(y1, y5)
+    y2, y6 = _bfly(y2, y6)
+    y3, y7 = _bfly(y3, y7)
+    return (
+        (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T),
+        (y4 * scale).to(OUT_T), (y5 * scale).to(OUT_T), (y6 * scale).to(OUT_T), (y7 * scale).to(OUT_T),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -302,7 +386,7 @@ def _exact_program(
 @triton.jit(do_not_specialize=["stride_ls"])
 def _narrow_decode_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
-    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr,
+    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr,
     stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, stride_qxt, stride_knt, stride_vnt,
     split_n, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -312,7 +396,7 @@ def _narrow_decode_kernel(
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
-    V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr,
+    V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -353,15 +437,20 @@ def _narrow_decode_kernel(
     # SK / SV: coordinates per packed word of keys / values (4; 8 for 3-bit codes): q slice j holds
     # the query coordinates SK g + j, accumulator j the output coordinates SV g + j
     KV: tl.constexpr = D // SV
-    q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
-    q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
-    q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SK, D, pk_t)
-    q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SK, D, pk_t)
-    if SK == 8:
-        q4 = _q_cols(q_ptr, tok, hq, h_ok, 4, qk_scale, SK, D, pk_t)
-        q5 = _q_cols(q_ptr, tok, hq, h_ok, 5, qk_scale, SK, D, pk_t)
-        q6 = _q_cols(q_ptr, tok, hq, h_ok, 6, qk_scale, SK, D, pk_t)
-        q7 = _q_cols(q_ptr, tok, hq, h_ok, 7, qk_scale, SK, D, pk_t)
+    if QROT and SK == 8:  # q_ptr: the unrotated query, rotated here (`rotates_query`)
+        q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
+    elif QROT:
+        q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
+    else:
+        q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
+        q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
+        q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SK, D, pk_t)
+        q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SK, D, pk_t)
+        if SK == 8:
+            q4 = _q_cols(q_ptr, tok, hq, h_ok, 4, qk_scale, SK, D, pk_t)
+            q5 = _q_cols(q_ptr, tok, hq, h_ok, 5, qk_scale, SK, D, pk_t)
+            q6 = _q_cols(q_ptr, tok, hq, h_ok, 6, qk_scale, SK, D, pk_t)
+            q7 = _q_cols(q_ptr, tok, hq, h_ok, 7, qk_scale, SK, D, pk_t)
 
     m_i = tl.full([N], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([N], dtype=tl.float32)
@@ -489,11 +578,13 @@ def launch(
     stages: int,
     key: tuple,
     exact: tuple,
+    rot=None,
 ) -> None:
     """Launch over (request x KV head, split) with `paged_decode.decode_attention`'s prepared buffers;
     the first launch of a configuration records its occupancy for `plan`. `exact`: (unrotated q, this
     step's k / v, ring k / v, sink k / v) for layouts with exact copies (the launcher's placeholders
-    otherwise). `splits` counts the exact-pairs program (split 0) of exact-copy layouts."""
+    otherwise). `splits` counts the exact-pairs program (split 0) of exact-copy layouts. `rot`: the key
+    rotation R when q is the unrotated query and the kernel rotates it (`rotates_query`)."""
     T, hq, d = q.shape
     hkv = kp.shape[1]
     qx, k_new, v_new, rk, rv, sk, sv = exact
@@ -502,7 +593,7 @@ def launch(
     n_cols = cols(meta.max_query_len, hq // hkv)
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
-        qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots,
+        qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
         qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_cols, D=d,
@@ -513,6 +604,7 @@ def launch(
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pair_scalars(layout, n_cols),
+        QROT=rot is not None, RSQRT_D=d**-0.5,
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel

@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 del c
                 torch.cuda.empty_cache()
     # ---- verify 32 x (1+4) x ctx
-    for p in [x for x in ("auto", "turboquant_4bit_nc", "tq4", "tq3") if x in presets]:
+    for p in presets:
         c = Case(p, 32, ctx, 5, hq, hkv, d, dev)
         ms = record(f"paged {p} verify 32x(1+4)x{ctx}", _bench(c.run), c.bytes, sd_ms)
         rows[-1]["vs_decode"] = ms / decode_ms[p]  # the acceptance ratio (the x column is SDPA decode's)
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- decode 1 x long_ctx
     sl_ms, sl_bytes = sdpa_decode_ms(1, long_ctx, 1, hq, hkv, d, dev)
     record(f"sdpa decode 1x{long_ctx}", sl_ms, sl_bytes)
-    for p in [x for x in ("auto", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3") if x in presets]:
+    for p in presets:
         c = Case(p, 1, long_ctx, 1, hq, hkv, d, dev)
         record(f"paged {p} decode 1x{long_ctx}", _bench(c.run), c.bytes, sl_ms)
         c.free()
