@@ -307,6 +307,7 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
     """The query rotated inside the kernel (Hadamard slices and butterflies, `QROT`) against the rotation
     before the launch (`rotate_rows`): the same outputs to float32 rounding, decode and verify, with the
     dispatch rule (power-of-two d, at least 16 coordinates per slice)."""
+    monkeypatch.setattr(narrow, "QROT", 1)
     assert narrow.rotates_query(_layout(preset, d=d), d)
     assert not narrow.rotates_query(_layout("turboquant_3bit_nc", d=64), 64)  # 8 coordinates per slice
     assert not narrow.rotates_query(_layout("turboquant_4bit_nc", d=96), 96)  # two Hadamard blocks

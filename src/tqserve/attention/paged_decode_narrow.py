@@ -86,9 +86,13 @@ LAZY_MIN_COLS = 32
 # MM4_MAXNREG 1 x 128K 4bit_nc 0.091 -> 0.085; decode with codebook values (tq_k4v4_ub, 254
 # registers either way) 0.576 -> 0.601, so those keep the 2-byte loads.
 PAIR_SCALARS = 1
-# Rotate the query inside the kernel (`rotates_query`), saving the step a launch of `rotate_rows`
-# (1 x 128K: 3.3 of ~80 us); 0: rotated before the launch (for A/B timing)
-QROT = 1
+# Rotate the query inside the kernel (`rotates_query`) instead of a `rotate_rows` launch before it
+# (1 x 128K: 3.3 of ~80 us). Off: measured slower (H100, fourteenth session, CUDA-graph replays, off
+# -> on): 1 x 128K 4bit_nc 0.0795 -> 0.0807 ms (every program's prologue waits on its rotation before
+# its first tiles are requested, as long as the separate launch took), 32 x 32K decode 0.475 ->
+# 0.502, verify 0.846 -> 1.104 (255 registers, more spills); only 3-bit keys gained (3bit_nc decode
+# 0.851 -> 0.832). Kept for A/B timing (tests check it against `rotate_rows`).
+QROT = 0
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
