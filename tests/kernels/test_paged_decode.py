@@ -136,6 +136,8 @@ def test_launch_configs():
     # min-max values: 4-bit ones capped (the scalars' word loads), 3-bit ones not (they would spill)
     assert narrow.launch_config(128, False) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES, narrow.MM4_MAXNREG)
     assert narrow.launch_config(128, False, 8, False, 3) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES, 0)
+    k3v4 = (nw, narrow.BLOCK_N, narrow.K3V4_STAGES, narrow.MM4_MAXNREG)
+    assert narrow.launch_config(128, False, 8, False, 4, 3) == k3v4
     assert narrow.launch_config(128, True) == (nw, narrow.CB_VALUES_BLOCK_N, narrow.CB_VALUES_STAGES, 0)
     assert narrow.launch_config(256, True) == (nw, narrow.WIDE_D_BLOCK_N, narrow.WIDE_D_STAGES, 0)
     assert narrow.launch_config(64, True) == (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES, 0)

@@ -102,6 +102,9 @@ CB_VALUES_STAGES = 2
 # registers more (142), which would cost 4 of 16 programs per SM; capped, 4bit_nc 32 x 32K 0.562 ->
 # 0.527 ms (no spills). 3-bit values (168 registers) spill at 128 and stay uncapped.
 MM4_MAXNREG = 128
+# 3-bit keys with 4-bit min-max values (turboquant_k3v4_nc): 2 stages (H100, fourteenth session, 3 -> 2:
+# 32 x 32K 0.527 -> 0.505 ms, 1 x 128K 0.0835 -> 0.0808; 4bit_nc alike within 1%, kept at 3)
+K3V4_STAGES = 2
 WIDE_D_BLOCK_N = 32
 WIDE_D_STAGES = 2
 EXACT_BLOCK_N = 64  # d >= 128 with exact copies (tq3, 32 x 32K: 0.579 ms; 32-key tiles at 128 registers 0.575)
@@ -142,7 +145,7 @@ def cols(max_query_len: int, group: int) -> int:
 
 
 def launch_config(
-    head_dim: int, codebook_values: bool, n_cols: int = 8, exact: bool = False, val_bits: int = 4
+    head_dim: int, codebook_values: bool, n_cols: int = 8, exact: bool = False, val_bits: int = 4, key_bits: int = 4
 ) -> tuple[int, int, int, int]:
     """(warps, key tile, pipeline stages, register cap or 0)."""
     if n_cols > 16:
@@ -156,7 +159,8 @@ def launch_config(
         return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES, MAXNREG
     if codebook_values:
         return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES, MAXNREG
-    return NUM_WARPS, BLOCK_N, NUM_STAGES, MAXNREG or (MM4_MAXNREG if val_bits == 4 and PAIR_SCALARS else 0)
+    cap = MAXNREG or (MM4_MAXNREG if val_bits == 4 and PAIR_SCALARS else 0)
+    return NUM_WARPS, BLOCK_N, K3V4_STAGES if (key_bits, val_bits) == (3, 4) else NUM_STAGES, cap
 
 
 def rotates_query(layout, head_dim: int) -> bool:
@@ -223,7 +227,7 @@ def plan(
     n_cols = cols(max_query_len, group)
     exact = bool(layout.sink or layout.window)
     warps, block_n, stages, maxnreg = launch_config(
-        head_dim, layout.val_mode == CODEBOOK, n_cols, exact, layout.val_bits
+        head_dim, layout.val_mode == CODEBOOK, n_cols, exact, layout.val_bits, layout.key_bits
     )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols), rotates_query(layout, head_dim))
