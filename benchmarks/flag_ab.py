@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--configs", required=True, help="';'-separated configurations, each NAME=value[,NAME=value]")
     ap.add_argument("--presets", default="turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tq3")
     ap.add_argument("--cases", default="32x32768x1,32x32768x5,1x131072x1", help="requests x context x query tokens")
+    ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     mod = importlib.import_module(f"tqserve.attention.{args.module}")
@@ -38,7 +39,7 @@ def main() -> None:
     kernels.GRAPHS = True
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    hq, hkv, d = 32, 8, 128
+    hq, hkv, d = (int(x) for x in args.heads.split(","))
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  copy {bw:.0f} GB/s  {args.module}: {args.configs}", flush=True)
     rows = []
