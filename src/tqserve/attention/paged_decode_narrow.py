@@ -81,10 +81,10 @@ LAZY_TAU = 8.0
 LAZY_MIN_COLS = 32
 # Per-token fp16 scalars (norms, scales, zeros) read through their 32-bit words, which the pipeliner
 # copies ahead (`paged._token_scalars`): 1 where it pays (`pair_scalars`), 2 everywhere, 0 nowhere
-# (one 2-byte load per key, waited on inside each key tile). H100, fourteenth session, 32 x 32K:
-# verify tq3 1.078 -> 0.955 ms, tq_k4v4_ub 0.991 -> 0.889; decode with 4-bit min-max values at
-# MM4_MAXNREG 1 x 128K 4bit_nc 0.091 -> 0.085; decode with codebook values (tq_k4v4_ub, 254
-# registers either way) 0.576 -> 0.601, so those keep the 2-byte loads.
+# (one 2-byte load per key, waited on inside each key tile). H100, fourteenth session (docs/benchmarks.md):
+# 32 x 5 x 32K verify tq3 1.078 -> 0.955 ms, tq_k4v4_ub 0.991 -> 0.889, 4bit_nc 1.008 -> 0.850; 4bit_nc
+# decode (at MM4_MAXNREG) 32 x 32K 0.521 -> 0.478, 1 x 128K 0.091 -> 0.080; decode with codebook values
+# (tq_k4v4_ub, 254 registers either way) 0.576 -> 0.601, so those keep the 2-byte loads.
 PAIR_SCALARS = 1
 # Rotate the query inside the kernel (`rotates_query`) instead of a `rotate_rows` launch before it
 # (1 x 128K: 3.3 of ~80 us). Off: measured slower (H100, fourteenth session, CUDA-graph replays, off
@@ -100,7 +100,8 @@ CB_VALUES_BLOCK_N = 64
 CB_VALUES_STAGES = 2
 # d = 128 decode with 4-bit min-max values (no exact copies): the word loads of the scalars take 14
 # registers more (142), which would cost 4 of 16 programs per SM; capped, 4bit_nc 32 x 32K 0.562 ->
-# 0.527 ms (no spills). 3-bit values (168 registers) spill at 128 and stay uncapped.
+# 0.527 ms in an A/B build (no spills; 0.478 with the zeros loaded where the softmax uses them, as the
+# kernel does). 3-bit values (168 registers) spill at 128 and stay uncapped.
 MM4_MAXNREG = 128
 # 3-bit keys with 4-bit min-max values (turboquant_k3v4_nc): 2 stages (H100, fourteenth session, 3 -> 2:
 # 32 x 32K 0.527 -> 0.505 ms, 1 x 128K 0.0835 -> 0.0808; 4bit_nc alike within 1%, kept at 3)
