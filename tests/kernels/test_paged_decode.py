@@ -259,46 +259,48 @@ def test_narrow_3bit_value_bytes_equal_words(narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
+def _steps(preset: str, d: int, seed: int, nan_pages: bool = False):
+    """A decode and a verify step (8 / 2 heads, odd sequence lengths) over pages
+    written through the format's torch codec, each as run(**kw): `paged_attention` on them. With `nan_pages`,
+    every page slot no request wrote holds NaN."""
+    hq, hkv, bs = 8, 2, 16
+    ctx = [3001, 777, 150] if DEV.type == "cuda" else [69, 34]
+    gen = torch.Generator().manual_seed(seed)
+    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
+    nblocks = sum((c + 5 + bs - 1) // bs for c in ctx) + 4
+    lay = layout_for_format(fmt, DEV)
+    for qlen in (1, 3):
+        meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=seed)
+        store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
+        if nan_pages:
+            for t in store.pages[0].values():
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+        fill_context(store, 0, meta, ctx, gen)
+        n = len(ctx) * qlen
+        q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+        fmt.write(store.pages[0], k, v, meta.slot_mapping)
+
+        def run(store=store, meta=meta, q=q, k=k, v=v, **kw):
+            return paged_attention(
+                q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0], **kw
+            )
+
+        yield run
+
+
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "tq_k4v4_ub", "turboquant_3bit_nc"])
 def test_narrow_pair_scalars_equal_loads(preset, narrow_spy, monkeypatch):
     """Per-token scalars read through their 32-bit words (`paged._token_scalars`) give the outputs of
     one 2-byte load per key, bit for bit, on decode and verify steps (odd sequence lengths: a tile's
     last pair straddles the end), with NaN in every page slot no request wrote (a word's other half
     past the end must not reach the output)."""
-    d, hq, hkv, bs = 128, 8, 2, 16
-    ctx = [3001, 777, 150] if DEV.type == "cuda" else [69, 34]
-    gen = torch.Generator().manual_seed(12)
-    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
-    nblocks = sum((c + 5 + bs - 1) // bs for c in ctx) + 4
-    for qlen in (1, 3):
-        meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=12)
-        store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
-        for t in store.pages[0].values():
-            if t.is_floating_point():
-                t.fill_(float("nan"))
-        fill_context(store, 0, meta, ctx, gen)
-        n = len(ctx) * qlen
-        q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
-        fmt.write(store.pages[0], k, v, meta.slot_mapping)
-        lay = layout_for_format(fmt, DEV)
+    for run in _steps(preset, 128, seed=12, nan_pages=True):
         for splits in (None, 3):
             outs = []
             for on in (2, 0):
                 monkeypatch.setattr(narrow, "PAIR_SCALARS", on)
-                outs.append(
-                    paged_attention(
-                        q,
-                        k,
-                        v,
-                        store.pages[0],
-                        lay,
-                        meta,
-                        d**-0.5,
-                        num_splits=splits,
-                        ring=store.ring[0],
-                        sinks=store.sinks[0],
-                    )  # fmt: skip
-                )
+                outs.append(run(num_splits=splits))
             assert not outs[0].isnan().any()
             assert torch.equal(outs[0], outs[1])
     assert len(narrow_spy) == 8
@@ -313,24 +315,11 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
     assert narrow.rotates_query(_layout(preset, d=d), d)
     assert not narrow.rotates_query(_layout("turboquant_3bit_nc", d=64), 64)  # 8 coordinates per slice
     assert not narrow.rotates_query(_layout("turboquant_4bit_nc", d=96), 96)  # two Hadamard blocks
-    hq, hkv, bs = 8, 2, 16
-    ctx = [3001, 777, 150] if DEV.type == "cuda" else [69, 34]
-    gen = torch.Generator().manual_seed(13)
-    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
-    nblocks = sum((c + 5 + bs - 1) // bs for c in ctx) + 4
-    for qlen in (1, 3):
-        meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=13)
-        store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
-        fill_context(store, 0, meta, ctx, gen)
-        n = len(ctx) * qlen
-        q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
-        fmt.write(store.pages[0], k, v, meta.slot_mapping)
-        lay = layout_for_format(fmt, DEV)
+    for run in _steps(preset, d, seed=13):
         outs = []
         for on in (1, 0):
             monkeypatch.setattr(narrow, "QROT", on)
-            o = paged_attention(q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0])
-            outs.append(o.float())
+            outs.append(run().float())
         err = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
         assert err < 4e-3, err  # bf16 outputs: a last-bit flip at most
     assert len(narrow_spy) == 4
