@@ -259,10 +259,11 @@ def test_narrow_3bit_value_bytes_equal_words(narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
-def _steps(preset: str, d: int, seed: int, nan_pages: bool = False):
+def _steps(preset: str, d: int, seed: int, nan_pages: bool = False, odd_scalars: bool = False):
     """A decode and a verify step (8 / 2 heads, odd sequence lengths) over pages
     written through the format's torch codec, each as run(**kw): `paged_attention` on them. With `nan_pages`,
-    every page slot no request wrote holds NaN."""
+    every page slot no request wrote holds NaN; with `odd_scalars`, the fp16 scalar tensors are views
+    2 bytes past a 4-byte boundary."""
     hq, hkv, bs = 8, 2, 16
     ctx = [3001, 777, 150] if DEV.type == "cuda" else [69, 34]
     gen = torch.Generator().manual_seed(seed)
@@ -280,6 +281,11 @@ def _steps(preset: str, d: int, seed: int, nan_pages: bool = False):
         n = len(ctx) * qlen
         q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
         fmt.write(store.pages[0], k, v, meta.slot_mapping)
+        if odd_scalars:
+            for name, t in store.pages[0].items():
+                if t.dtype == torch.float16:
+                    view = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+                    store.pages[0][name] = view.copy_(t)
 
         def run(store=store, meta=meta, q=q, k=k, v=v, **kw):
             return paged_attention(
@@ -304,6 +310,19 @@ def test_narrow_pair_scalars_equal_loads(preset, narrow_spy, monkeypatch):
             assert not outs[0].isnan().any()
             assert torch.equal(outs[0], outs[1])
     assert len(narrow_spy) == 8
+
+
+def test_narrow_pair_scalars_misaligned_views(narrow_spy, monkeypatch):
+    """Scalar tensors that do not start on a 4-byte boundary take the 2-byte loads (the launch checks),
+    so the outputs match them bit for bit. (On the GPU the 32-bit copies would fault on such views; the
+    interpreter reads any address, so there this checks the outputs only.)"""
+    monkeypatch.setattr(narrow, "PAIR_SCALARS", 2)
+    for run in _steps("turboquant_4bit_nc", 128, seed=14, odd_scalars=True):
+        on = run()
+        monkeypatch.setattr(narrow, "PAIR_SCALARS", 0)
+        assert torch.equal(on, run())
+        monkeypatch.setattr(narrow, "PAIR_SCALARS", 2)
+    assert len(narrow_spy) == 4
 
 
 @pytest.mark.parametrize(("preset", "d"), [("turboquant_4bit_nc", 128), ("tq3", 64), ("turboquant_3bit_nc", 256)])

@@ -600,6 +600,9 @@ def launch(
     npart = 2 if layout.sink or layout.window else 1
     grid = (meta.num_reqs * hkv, splits)
     n_cols = cols(meta.max_query_len, hq // hkv)
+    # the 32-bit reads of the scalars need 4-byte aligned tensors (page tensors are allocated alone;
+    # a view at an odd fp16 offset takes the 2-byte loads)
+    pairs = pair_scalars(layout, n_cols) and all(t.data_ptr() % 4 == 0 for t in (ks, vs, vz))
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
@@ -612,7 +615,7 @@ def launch(
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
-        LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pair_scalars(layout, n_cols),
+        LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5,
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
