@@ -317,6 +317,10 @@ def test_narrow_pair_scalars_misaligned_views(narrow_spy, monkeypatch):
     so the outputs match them bit for bit. (On the GPU the 32-bit copies would fault on such views; the
     interpreter reads any address, so there this checks the outputs only.)"""
     monkeypatch.setattr(narrow, "PAIR_SCALARS", 2)
+    odd = torch.empty(9, dtype=torch.float16, device=DEV)[1:]
+    assert narrow.pair_scalars(_layout("turboquant_4bit_nc"), 8) and not narrow.pair_scalars(
+        _layout("turboquant_4bit_nc"), 8, (odd,)
+    )
     for run in _steps("turboquant_4bit_nc", 128, seed=14, odd_scalars=True):
         on = run()
         monkeypatch.setattr(narrow, "PAIR_SCALARS", 0)

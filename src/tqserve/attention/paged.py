@@ -299,13 +299,12 @@ def _tile_rows(bt_row_ptr, n, nmask, kvh, HKV: tl.constexpr, BS: tl.constexpr):
 @triton.jit
 def _token_scalars(ptr, tokp, nmask):
     """The fp16 per-token scalars (norm, scale, zero) of page rows `tokp` as float32 (0 where masked),
-    each read through the 32-bit word that holds it (whose other half, maybe a row past the sequence,
-    is shifted out). A 2-byte load is narrower than the pipeliner's
-    asynchronous copies (cp.async moves 4, 8 or 16 bytes), so Triton leaves it a plain load that the
-    key tile waits on: a DRAM round trip per tile (H100, Nsight Compute, fourteenth session: the
-    largest stall of the decode loop). The word is copied ahead with the packed words; the half is
-    picked by the row's parity (fp16 scalars are 4-byte aligned in pairs: the page tensors start
-    aligned and rows are counted from 0)."""
+    each read through the 32-bit word that holds it; the word's other half (maybe a row past the
+    sequence) is shifted out. A 2-byte load is narrower than the pipeliner's asynchronous copies
+    (cp.async moves 4, 8 or 16 bytes), so Triton leaves it a plain load that the key tile waits on: a
+    DRAM round trip per tile (H100, Nsight Compute, fourteenth session: the largest stall of the
+    decode loop). The word is copied ahead with the packed words; the half is picked by the row's
+    parity. The tensor must start on a 4-byte boundary (callers check: `pair_scalars`)."""
     w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + tokp // 2, mask=nmask, other=0)
     x = (w >> ((tokp % 2) * 16).to(tl.int32)).to(tl.int16).to(tl.float16, bitcast=True)
     return x.to(tl.float32)

@@ -953,8 +953,9 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
 
     use_narrow = narrow.eligible(layout, meta.max_query_len, group)
     if use_narrow:
+        scalars = tuple(pages[n] for n in (layout.key_scale_name, layout.val_scale_name, layout.val_zero_name) if n)
         warps, block_n, stages, splits, narrow_key = narrow.plan(
-            layout, d, group, meta.max_query_len, meta.num_reqs * hkv, meta.max_seq_len, _num_sms(dev), dev
+            layout, d, group, meta.max_query_len, meta.num_reqs * hkv, meta.max_seq_len, _num_sms(dev), dev, scalars
         )
         splits = num_splits or splits
     else:

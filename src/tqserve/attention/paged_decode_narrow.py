@@ -172,9 +172,13 @@ def rotates_query(layout, head_dim: int) -> bool:
     return bool(QROT) and head_dim & (head_dim - 1) == 0 and head_dim // sk >= 16 and layout.key_rotation is not None
 
 
-def pair_scalars(layout, n_cols: int) -> bool:
+def pair_scalars(layout, n_cols: int, scalars: tuple = ()) -> bool:
     """Whether the kernel reads the per-token scalars through 32-bit words (`PAIR_SCALARS`): every
-    step but decode steps over codebook values without exact copies."""
+    step but decode steps over codebook values without exact copies, and only when the scalar
+    tensors given start on a 4-byte boundary (the engine allocates each page tensor alone; a view at
+    an odd fp16 offset takes the 2-byte loads)."""
+    if any(t.data_ptr() % 4 for t in scalars):
+        return False
     if PAIR_SCALARS != 1:
         return bool(PAIR_SCALARS)
     return not (layout.val_mode == CODEBOOK and n_cols <= 16 and not (layout.sink or layout.window))
@@ -220,7 +224,15 @@ def pick_splits(pairs: int, max_seq_len: int, block_n: int, per_sm: int, sms: in
 
 
 def plan(
-    layout, head_dim: int, group: int, max_query_len: int, pairs: int, max_seq_len: int, sms: int, device
+    layout,
+    head_dim: int,
+    group: int,
+    max_query_len: int,
+    pairs: int,
+    max_seq_len: int,
+    sms: int,
+    device,
+    scalars: tuple = (),
 ) -> tuple[int, int, int, int, tuple]:
     """(warps, key tile, stages, splits, launch key) of a step over `pairs` (request, KV head); the key
     names everything that changes the compiled kernel's registers or shared memory, the register cap
@@ -231,7 +243,8 @@ def plan(
         head_dim, layout.val_mode == CODEBOOK, n_cols, exact, layout.val_bits, layout.key_bits
     )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
-    key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols), rotates_query(layout, head_dim))
+    key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
+    key += (rotates_query(layout, head_dim),)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -600,9 +613,7 @@ def launch(
     npart = 2 if layout.sink or layout.window else 1
     grid = (meta.num_reqs * hkv, splits)
     n_cols = cols(meta.max_query_len, hq // hkv)
-    # the 32-bit reads of the scalars need 4-byte aligned tensors (page tensors are allocated alone;
-    # a view at an odd fp16 offset takes the 2-byte loads)
-    pairs = pair_scalars(layout, n_cols) and all(t.data_ptr() % 4 == 0 for t in (ks, vs, vz))
+    pairs = pair_scalars(layout, n_cols, (ks, vs, vz))
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
