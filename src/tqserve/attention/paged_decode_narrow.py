@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqserve.attention import paged_decode
+from tqserve.attention import paged_decode, pdl
 from tqserve.attention.paged import (
     CODEBOOK,
     LAST_LAUNCH,
@@ -419,6 +419,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -426,6 +427,8 @@ def _narrow_decode_kernel(
     VRAW: tl.constexpr = 3 if V3_BYTES else (VASM0 != "")  # 3-bit min-max values as byte tiles (`v3_bytes`)
     pid_rh = tl.program_id(0)
     pid_s = tl.program_id(1)
+    if QROT:  # no rotation launch before this one: wait before any read (`pdl`)
+        pdl.wait_then_release(GDC)
     req = pid_rh // HKV
     kvh = pid_rh % HKV
     q_start = tl.load(qsl_ptr + req)
@@ -433,6 +436,10 @@ def _narrow_decode_kernel(
     if qlen == 0:  # a request without query tokens (graph padding)
         return
     seq_len = tl.load(seqlen_ptr + req)
+    if not QROT:
+        # the launch before this one is the query rotation, which does not write the step's metadata:
+        # that is read before the wait (`pdl`), everything else after it
+        pdl.wait_then_release(GDC)
     packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
     lo = packed_s * split_n
     hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
@@ -627,8 +634,8 @@ def launch(
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
-        QROT=rot is not None, RSQRT_D=d**-0.5,
-        num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
+        QROT=rot is not None, RSQRT_D=d**-0.5, GDC=pdl.enabled(q.device),
+        num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}), **pdl.launch_kwargs(q.device),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
     if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):
