@@ -93,6 +93,10 @@ PAIR_SCALARS = 1
 # 0.502, verify 0.846 -> 1.104 (255 registers, more spills); only 3-bit keys gained (3bit_nc decode
 # 0.851 -> 0.832). Kept for A/B timing (tests check it against `rotate_rows`).
 QROT = 0
+# With programmatic dependent launch (`pdl`), read the rotated query inside the first key tile, after
+# the wait, so that the pipeline's first page loads are issued while the rotation still runs
+# (`late_query`).
+LATE_QUERY = 1
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -184,6 +188,13 @@ def pair_scalars(layout, n_cols: int, scalars: tuple = ()) -> bool:
     return not (layout.val_mode == CODEBOOK and n_cols <= 16 and not (layout.sink or layout.window))
 
 
+def late_query(device, n_cols: int, rotates: bool) -> bool:
+    """Whether the kernel reads the rotated query in its first key tile (`LATE_QUERY`): decode steps (at
+    most 8 columns; wider steps carry their [d, N] query through the loop at a cost of ~20% more
+    instructions) launched with PDL, whose query comes from the rotation launch before them."""
+    return bool(LATE_QUERY) and n_cols <= 8 and not rotates and pdl.enabled(device)
+
+
 def v3_bytes(layout, n_cols: int) -> bool:
     """Whether the kernel reads 3-bit min-max values as byte tiles (`paged_decode.MINMAX3_BYTES`):
     decode steps (at most 8 columns) only."""
@@ -244,7 +255,8 @@ def plan(
     )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
-    key += (rotates_query(layout, head_dim),)
+    rotates = rotates_query(layout, head_dim)
+    key += (rotates, late_query(device, n_cols, rotates))
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -419,7 +431,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    GDC: tl.constexpr,
+    GDC: tl.constexpr, LATE_Q: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -436,7 +448,7 @@ def _narrow_decode_kernel(
     if qlen == 0:  # a request without query tokens (graph padding)
         return
     seq_len = tl.load(seqlen_ptr + req)
-    if not QROT:
+    if not QROT and not LATE_Q:
         # the launch before this one is the query rotation, which does not write the step's metadata:
         # that is read before the wait (`pdl`), everything else after it
         pdl.wait_then_release(GDC)
@@ -461,6 +473,8 @@ def _narrow_decode_kernel(
                 sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, req, kvh, hq, h_ok, tok_c, qpos, q_start, seq_len - qlen,
                 seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale, HKV, D, N, SINK, WINDOW, BLOCK_X, DOT_F32, PREC,
             )  # fmt: skip
+            if LATE_Q:  # (it reads nothing the rotation writes; it waits so as not to complete before it)
+                pdl.wait_then_release(GDC)
             return
     pk_t = tl.float32 if DOT_F32 else tl.float16  # the interpreter and float32 models compute in float32
     # SK / SV: coordinates per packed word of keys / values (4; 8 for 3-bit codes): q slice j holds
@@ -470,6 +484,16 @@ def _narrow_decode_kernel(
         q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
     elif QROT:
         q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
+    elif LATE_Q:  # read in the first key tile, after the wait (`LATE_QUERY`)
+        q0 = tl.zeros([D // SK, N], dtype=pk_t)
+        q1 = tl.zeros([D // SK, N], dtype=pk_t)
+        q2 = tl.zeros([D // SK, N], dtype=pk_t)
+        q3 = tl.zeros([D // SK, N], dtype=pk_t)
+        if SK == 8:
+            q4 = tl.zeros([D // SK, N], dtype=pk_t)
+            q5 = tl.zeros([D // SK, N], dtype=pk_t)
+            q6 = tl.zeros([D // SK, N], dtype=pk_t)
+            q7 = tl.zeros([D // SK, N], dtype=pk_t)
     else:
         q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
         q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
@@ -502,6 +526,18 @@ def _narrow_decode_kernel(
         vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW)  # [words, keys]
         ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
         vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
+        if LATE_Q:
+            if n0 == lo:  # the first tile's page bytes are on their way; now wait for the rotated query
+                pdl.wait_then_release(GDC)
+                q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
+                q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
+                q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SK, D, pk_t)
+                q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SK, D, pk_t)
+                if SK == 8:
+                    q4 = _q_cols(q_ptr, tok, hq, h_ok, 4, qk_scale, SK, D, pk_t)
+                    q5 = _q_cols(q_ptr, tok, hq, h_ok, 5, qk_scale, SK, D, pk_t)
+                    q6 = _q_cols(q_ptr, tok, hq, h_ok, 6, qk_scale, SK, D, pk_t)
+                    q7 = _q_cols(q_ptr, tok, hq, h_ok, 7, qk_scale, SK, D, pk_t)
         s = tl.dot(_cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), q0, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), q1, s, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), q2, s, input_precision=PREC)
@@ -562,6 +598,8 @@ def _narrow_decode_kernel(
             a6 = _acc_cols(a6, pv, vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
             a7 = _acc_cols(a7, pv, vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
 
+    if LATE_Q:  # a split without keys never waited: it must not complete before the rotation (`pdl`)
+        pdl.wait_then_release(GDC)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if HAS_EXACT:  # the exact pairs are split 0's
         d = tl.arange(0, D)
@@ -635,6 +673,7 @@ def launch(
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, GDC=pdl.enabled(q.device),
+        LATE_Q=late_query(q.device, n_cols, rot is not None),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}), **pdl.launch_kwargs(q.device),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
