@@ -146,6 +146,7 @@ def test_launch_configs():
     assert narrow.launch_config(64, True, 16) == narrow.launch_config(64, True, 8)
     # exact copies: their own table at d >= 128, a register cap at d < 128
     assert narrow.launch_config(128, True, 8, True) == (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_STAGES, 0)
+    assert narrow.launch_config(256, True, 8, True) == (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_WIDE_D_STAGES, 0)
     small_exact = (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES)
     assert narrow.launch_config(64, True, 8, True) == (*small_exact, narrow.SMALL_D_EXACT_DECODE_MAXNREG)
     assert narrow.launch_config(64, True, 16, True) == (*small_exact, narrow.SMALL_D_EXACT_MAXNREG)
@@ -164,7 +165,7 @@ def test_narrow_pair_scalars_rule(monkeypatch):
     assert narrow.pair_scalars(cb, 8)
 
 
-def test_narrow_splits_fill_one_wave():
+def test_narrow_splits_fill_one_wave(monkeypatch):
     """Occupancy from the compiled kernel's registers / shared memory (H100: 64K registers, 228 KB),
     and split-K counts that keep (request, KV head) pairs x splits within one wave of resident
     programs, at least 4 key tiles per split, at most MAX_SPLITS."""
@@ -187,6 +188,11 @@ def test_narrow_splits_fill_one_wave():
     assert narrow.pick_splits(3, 1 << 20, 64, 16, 132, exact=True) == narrow.MAX_SPLITS - 1
     lay = _layout("tq3", 3, 64)
     assert narrow.plan(lay, 64, 3, 1, 3, 1 << 20, 132, DEV)[3] + 1 <= narrow.MAX_SPLITS
+    # the kernel spreads the tiles evenly, so the planned count stands (1 x 128K: 4,096 tiles over 264
+    # splits of 15 or 16); at most one split per tile; whole splits of cdiv(T, P) tiles with EVEN_SPLITS off
+    assert narrow.packed_splits(264, 4096) == 264 and narrow.packed_splits(600, 10) == 10
+    monkeypatch.setattr(narrow, "EVEN_SPLITS", 0)
+    assert narrow.packed_splits(264, 4096) == 256 and narrow.packed_splits(3, 10) == 3
 
 
 @pytest.mark.parametrize("preset", SLICED)

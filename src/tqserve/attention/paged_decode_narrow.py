@@ -96,7 +96,7 @@ QROT = 0
 # With programmatic dependent launch (`pdl`), read the rotated query inside the first key tile, after
 # the wait, so that the pipeline's first page loads are issued while the rotation still runs
 # (`late_query`).
-LATE_QUERY = 1
+LATE_QUERY = 0
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -112,8 +112,12 @@ MM4_MAXNREG = 128
 K3V4_STAGES = 2
 WIDE_D_BLOCK_N = 32
 WIDE_D_STAGES = 2
-EXACT_BLOCK_N = 64  # d >= 128 with exact copies (tq3, 32 x 32K: 0.579 ms; 32-key tiles at 128 registers 0.575)
-EXACT_STAGES = 2
+# d >= 128 with exact copies: 64-key tiles (tq3, 32 x 32K: 0.579 ms; 32-key tiles at 128 registers 0.575),
+# 3 stages at d = 128 (H100, fifteenth session, 2 -> 3 stages: 32 x 32K 0.545 -> 0.528 ms, 1 x 128K 0.0867 ->
+# 0.0840; 243 registers; capped at 168 / 200: 0.541 / 0.594; 128-key tiles 0.610; 32-key tiles x 168 0.561)
+EXACT_BLOCK_N = 64
+EXACT_STAGES = 3
+EXACT_WIDE_D_STAGES = 2
 SMALL_D_BLOCK_N = 64
 SMALL_D_STAGES = 3
 VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
@@ -124,6 +128,7 @@ VERIFY_STAGES = 3
 # until the first launch). A second, partial wave costs a whole program time (H100, 32 x 32K:
 # 9 splits, 2,304 programs for 2,112 resident slots, were 30% slower than 7).
 WAVE_FILL = 1.0
+EVEN_SPLITS = 1
 # 1 x 128K, 8 KV heads: 264 splits fill the 2,112 slots of 16 per SM (257 after rounding to whole
 # tiles, 2,056 programs; H100, eleventh session: 91.1 us against 95.5 us at the old cap of 256, which
 # rounded to 228 splits, 1,824 programs)
@@ -159,7 +164,7 @@ def launch_config(
         cap = (SMALL_D_EXACT_DECODE_MAXNREG if n_cols <= 8 else SMALL_D_EXACT_MAXNREG) if exact else MAXNREG
         return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES, cap
     if exact:
-        return NUM_WARPS, EXACT_BLOCK_N, EXACT_STAGES, MAXNREG
+        return NUM_WARPS, EXACT_BLOCK_N, EXACT_STAGES if head_dim == 128 else EXACT_WIDE_D_STAGES, MAXNREG
     if head_dim > 128:
         return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES, MAXNREG
     if codebook_values:
@@ -223,6 +228,15 @@ def _record_occupancy(key: tuple, kernel, warps: int, device) -> None:
     _RESIDENT[key] = resident_per_sm(
         kernel.n_regs, kernel.metadata.shared, warps, props["max_num_regs"], props["max_shared_mem"] + 1024
     )
+
+
+def packed_splits(planned: int, tiles: int) -> int:
+    """Splits of a step's `tiles` key tiles: the planned count, at most one per tile. The kernel spreads the
+    tiles evenly (split s takes [s T / P, (s + 1) T / P)), so a count that fills the resident slots keeps
+    every program busy for the same time (`EVEN_SPLITS`); with EVEN_SPLITS off, the count that whole
+    tiles of cdiv(T, P) give, as the kernel did before (1 x 128K: 264 planned -> 256)."""
+    planned = max(1, min(planned, tiles))
+    return planned if EVEN_SPLITS else triton.cdiv(tiles, triton.cdiv(tiles, planned))
 
 
 def pick_splits(pairs: int, max_seq_len: int, block_n: int, per_sm: int, sms: int, exact: bool = False) -> int:
@@ -422,7 +436,7 @@ def _narrow_decode_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
     qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr,
     stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, stride_qxt, stride_knt, stride_vnt,
-    split_n, qk_scale,
+    n_tiles, n_packed, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
@@ -453,8 +467,10 @@ def _narrow_decode_kernel(
         # that is read before the wait (`pdl`), everything else after it
         pdl.wait_then_release(GDC)
     packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
-    lo = packed_s * split_n
-    hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
+    # packed split s covers key tiles [s T / P, (s + 1) T / P) of the step's T (`packed_splits`); the last
+    # query token (position seq_len - 1) sees every key
+    lo = (packed_s * n_tiles // n_packed) * BLOCK_N
+    hi = tl.minimum(seq_len, ((packed_s + 1) * n_tiles // n_packed) * BLOCK_N)
 
     # columns: (query token t, head h of the group), t-major; padded columns have zero queries
     c = tl.arange(0, N)
@@ -633,7 +649,7 @@ def launch(
     lse,
     stride_os: int,
     splits: int,
-    split_n: int,
+    n_tiles: int,
     qk_scale: float,
     layout,
     kasm,
@@ -663,7 +679,7 @@ def launch(
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
-        qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
+        qx.stride(0), k_new.stride(0), v_new.stride(0), n_tiles, splits - npart + 1, qk_scale,
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_cols, D=d,
         BS=kp.shape[2], BLOCK_N=block_n,
         KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits,
