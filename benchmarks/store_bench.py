@@ -19,14 +19,20 @@ import sys
 
 import torch
 
+from tqserve.bench import kernels
 from tqserve.bench.kernels import PRESETS, copy_bandwidth
 from tqserve.kvquant.presets import make_layer_format
 
 
-def _time(fn) -> float:
-    """Median ms of one call replayed from a CUDA graph (no Python launch cost in the number)."""
+def _time(fn, flush: bool = False) -> float:
+    """Median ms of one call replayed from a CUDA graph (no Python launch cost in the number); with
+    `flush`, the L2 is flushed before every replay, as `tqserve bench kernels` times it (the K / V the
+    store reads then come from DRAM)."""
     import triton
 
+    if flush:
+        kernels.GRAPHS = True
+        return kernels._bench(fn)
     fn()  # compile outside the capture
     torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
@@ -52,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--flush", action="store_true", help="flush the L2 before every call (as bench kernels)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from tqserve.kvquant import store_triton as new
@@ -89,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                     cases.append(("new W64", mod, mod.StorePlan(fmt, dev, wmax=64), {}))
         for label, mod, pl, kw in cases:
             try:
-                ms = _time(lambda mod=mod, pl=pl, kw=kw, p=pages, k=k, v=v, s=slots: mod.store_kv(p, pl, k, v, s, **kw))
+                ms = _time(
+                    lambda mod=mod, pl=pl, kw=kw, p=pages, k=k, v=v, s=slots: mod.store_kv(p, pl, k, v, s, **kw),
+                    args.flush,
+                )
             except Exception as e:  # report and go on: one broken variant must not hide the rest
                 print(f"{preset:20s} {label:16s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue

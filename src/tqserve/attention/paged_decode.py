@@ -962,11 +962,8 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         warps, block_n, per_sm, stages = launch_config(bq * gp, d, exact_copies, programs, _num_sms(dev))
         splits = num_splits or pick_splits(programs, meta.max_seq_len, _num_sms(dev), block_n, per_sm)
     tiles = triton.cdiv(max(1, meta.max_seq_len), block_n)
-    if use_narrow:  # the narrow kernel spreads the tiles evenly over its splits
-        splits = narrow.packed_splits(splits, tiles)
-    else:
-        split_n = triton.cdiv(tiles, splits) * block_n
-        splits = triton.cdiv(tiles * block_n, split_n)
+    split_n = triton.cdiv(tiles, splits) * block_n
+    splits = triton.cdiv(tiles * block_n, split_n)
     if use_narrow and exact_copies:
         splits += 1  # the exact-pairs program's part comes first
 
@@ -1008,7 +1005,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     dot_f32, prec = _interpreting() or model_f32, "ieee" if model_f32 else "tf32"
     if use_narrow:
         narrow.launch(
-            q, kp, ks, vp, vs, vz, kcb, vcb, meta, part, lse, stride_os, splits, tiles, scale * LOG2E,
+            q, kp, ks, vp, vs, vz, kcb, vcb, meta, part, lse, stride_os, splits, split_n, scale * LOG2E,
             layout, kasm, vasm, dot_f32, prec, warps, block_n, stages, narrow_key, (qx, k_new, v_new, rk, rv, sk, sv),
             layout.key_rotation if rot_in_kernel else None,
         )  # fmt: skip

@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqserve.attention import paged_decode, pdl
+from tqserve.attention import paged_decode
 from tqserve.attention.paged import (
     CODEBOOK,
     LAST_LAUNCH,
@@ -93,15 +93,13 @@ PAIR_SCALARS = 1
 # 0.502, verify 0.846 -> 1.104 (255 registers, more spills); only 3-bit keys gained (3bit_nc decode
 # 0.851 -> 0.832). Kept for A/B timing (tests check it against `rotate_rows`).
 QROT = 0
-# With programmatic dependent launch (`pdl`), read the rotated query inside the first key tile, after
-# the wait, so that the pipeline's first page loads are issued while the rotation still runs
-# (`late_query`).
-LATE_QUERY = 0
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
 CB_VALUES_BLOCK_N = 64
-CB_VALUES_STAGES = 2
+# d = 128 decode over codebook values: 3 stages (H100, fifteenth session, tq_k4v4_ub 2 -> 3: 32 x 32K 0.579 ->
+# 0.566 ms, 1 x 128K 0.0979 -> 0.0965; capped at 168: 0.647; 32-key tiles x 128: 0.580)
+CB_VALUES_STAGES = 3
 # d = 128 decode with 4-bit min-max values (no exact copies): the word loads of the scalars take 14
 # registers more (142), which would cost 4 of 16 programs per SM; capped, 4bit_nc 32 x 32K 0.562 ->
 # 0.527 ms in an A/B build (no spills; 0.478 with the zeros loaded where the softmax uses them, as the
@@ -128,7 +126,6 @@ VERIFY_STAGES = 3
 # until the first launch). A second, partial wave costs a whole program time (H100, 32 x 32K:
 # 9 splits, 2,304 programs for 2,112 resident slots, were 30% slower than 7).
 WAVE_FILL = 1.0
-EVEN_SPLITS = 1
 # 1 x 128K, 8 KV heads: 264 splits fill the 2,112 slots of 16 per SM (257 after rounding to whole
 # tiles, 2,056 programs; H100, eleventh session: 91.1 us against 95.5 us at the old cap of 256, which
 # rounded to 228 splits, 1,824 programs)
@@ -193,13 +190,6 @@ def pair_scalars(layout, n_cols: int, scalars: tuple = ()) -> bool:
     return not (layout.val_mode == CODEBOOK and n_cols <= 16 and not (layout.sink or layout.window))
 
 
-def late_query(device, n_cols: int, rotates: bool) -> bool:
-    """Whether the kernel reads the rotated query in its first key tile (`LATE_QUERY`): decode steps (at
-    most 8 columns; wider steps carry their [d, N] query through the loop at a cost of ~20% more
-    instructions) launched with PDL, whose query comes from the rotation launch before them."""
-    return bool(LATE_QUERY) and n_cols <= 8 and not rotates and pdl.enabled(device)
-
-
 def v3_bytes(layout, n_cols: int) -> bool:
     """Whether the kernel reads 3-bit min-max values as byte tiles (`paged_decode.MINMAX3_BYTES`):
     decode steps (at most 8 columns) only."""
@@ -228,15 +218,6 @@ def _record_occupancy(key: tuple, kernel, warps: int, device) -> None:
     _RESIDENT[key] = resident_per_sm(
         kernel.n_regs, kernel.metadata.shared, warps, props["max_num_regs"], props["max_shared_mem"] + 1024
     )
-
-
-def packed_splits(planned: int, tiles: int) -> int:
-    """Splits of a step's `tiles` key tiles: the planned count, at most one per tile. The kernel spreads the
-    tiles evenly (split s takes [s T / P, (s + 1) T / P)), so a count that fills the resident slots keeps
-    every program busy for the same time (`EVEN_SPLITS`); with EVEN_SPLITS off, the count that whole
-    tiles of cdiv(T, P) give, as the kernel did before (1 x 128K: 264 planned -> 256)."""
-    planned = max(1, min(planned, tiles))
-    return planned if EVEN_SPLITS else triton.cdiv(tiles, triton.cdiv(tiles, planned))
 
 
 def pick_splits(pairs: int, max_seq_len: int, block_n: int, per_sm: int, sms: int, exact: bool = False) -> int:
@@ -269,8 +250,7 @@ def plan(
     )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
-    rotates = rotates_query(layout, head_dim)
-    key += (rotates, late_query(device, n_cols, rotates))
+    key += (rotates_query(layout, head_dim),)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -436,7 +416,7 @@ def _narrow_decode_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
     qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr,
     stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, stride_qxt, stride_knt, stride_vnt,
-    n_tiles, n_packed, qk_scale,
+    split_n, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
@@ -445,7 +425,6 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    GDC: tl.constexpr, LATE_Q: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -453,8 +432,6 @@ def _narrow_decode_kernel(
     VRAW: tl.constexpr = 3 if V3_BYTES else (VASM0 != "")  # 3-bit min-max values as byte tiles (`v3_bytes`)
     pid_rh = tl.program_id(0)
     pid_s = tl.program_id(1)
-    if QROT:  # no rotation launch before this one: wait before any read (`pdl`)
-        pdl.wait_then_release(GDC)
     req = pid_rh // HKV
     kvh = pid_rh % HKV
     q_start = tl.load(qsl_ptr + req)
@@ -462,15 +439,9 @@ def _narrow_decode_kernel(
     if qlen == 0:  # a request without query tokens (graph padding)
         return
     seq_len = tl.load(seqlen_ptr + req)
-    if not QROT and not LATE_Q:
-        # the launch before this one is the query rotation, which does not write the step's metadata:
-        # that is read before the wait (`pdl`), everything else after it
-        pdl.wait_then_release(GDC)
     packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
-    # packed split s covers key tiles [s T / P, (s + 1) T / P) of the step's T (`packed_splits`); the last
-    # query token (position seq_len - 1) sees every key
-    lo = (packed_s * n_tiles // n_packed) * BLOCK_N
-    hi = tl.minimum(seq_len, ((packed_s + 1) * n_tiles // n_packed) * BLOCK_N)
+    lo = packed_s * split_n
+    hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
 
     # columns: (query token t, head h of the group), t-major; padded columns have zero queries
     c = tl.arange(0, N)
@@ -489,8 +460,6 @@ def _narrow_decode_kernel(
                 sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, req, kvh, hq, h_ok, tok_c, qpos, q_start, seq_len - qlen,
                 seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale, HKV, D, N, SINK, WINDOW, BLOCK_X, DOT_F32, PREC,
             )  # fmt: skip
-            if LATE_Q:  # (it reads nothing the rotation writes; it waits so as not to complete before it)
-                pdl.wait_then_release(GDC)
             return
     pk_t = tl.float32 if DOT_F32 else tl.float16  # the interpreter and float32 models compute in float32
     # SK / SV: coordinates per packed word of keys / values (4; 8 for 3-bit codes): q slice j holds
@@ -500,16 +469,6 @@ def _narrow_decode_kernel(
         q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
     elif QROT:
         q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
-    elif LATE_Q:  # read in the first key tile, after the wait (`LATE_QUERY`)
-        q0 = tl.zeros([D // SK, N], dtype=pk_t)
-        q1 = tl.zeros([D // SK, N], dtype=pk_t)
-        q2 = tl.zeros([D // SK, N], dtype=pk_t)
-        q3 = tl.zeros([D // SK, N], dtype=pk_t)
-        if SK == 8:
-            q4 = tl.zeros([D // SK, N], dtype=pk_t)
-            q5 = tl.zeros([D // SK, N], dtype=pk_t)
-            q6 = tl.zeros([D // SK, N], dtype=pk_t)
-            q7 = tl.zeros([D // SK, N], dtype=pk_t)
     else:
         q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
         q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
@@ -542,18 +501,6 @@ def _narrow_decode_kernel(
         vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW)  # [words, keys]
         ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
         vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
-        if LATE_Q:
-            if n0 == lo:  # the first tile's page bytes are on their way; now wait for the rotated query
-                pdl.wait_then_release(GDC)
-                q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
-                q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
-                q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SK, D, pk_t)
-                q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SK, D, pk_t)
-                if SK == 8:
-                    q4 = _q_cols(q_ptr, tok, hq, h_ok, 4, qk_scale, SK, D, pk_t)
-                    q5 = _q_cols(q_ptr, tok, hq, h_ok, 5, qk_scale, SK, D, pk_t)
-                    q6 = _q_cols(q_ptr, tok, hq, h_ok, 6, qk_scale, SK, D, pk_t)
-                    q7 = _q_cols(q_ptr, tok, hq, h_ok, 7, qk_scale, SK, D, pk_t)
         s = tl.dot(_cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), q0, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), q1, s, input_precision=PREC)
         s = tl.dot(_cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), q2, s, input_precision=PREC)
@@ -614,8 +561,6 @@ def _narrow_decode_kernel(
             a6 = _acc_cols(a6, pv, vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
             a7 = _acc_cols(a7, pv, vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
 
-    if LATE_Q:  # a split without keys never waited: it must not complete before the rotation (`pdl`)
-        pdl.wait_then_release(GDC)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if HAS_EXACT:  # the exact pairs are split 0's
         d = tl.arange(0, D)
@@ -649,7 +594,7 @@ def launch(
     lse,
     stride_os: int,
     splits: int,
-    n_tiles: int,
+    split_n: int,
     qk_scale: float,
     layout,
     kasm,
@@ -679,7 +624,7 @@ def launch(
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
-        qx.stride(0), k_new.stride(0), v_new.stride(0), n_tiles, splits - npart + 1, qk_scale,
+        qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_cols, D=d,
         BS=kp.shape[2], BLOCK_N=block_n,
         KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits,
@@ -688,9 +633,8 @@ def launch(
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
-        QROT=rot is not None, RSQRT_D=d**-0.5, GDC=pdl.enabled(q.device),
-        LATE_Q=late_query(q.device, n_cols, rot is not None),
-        num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}), **pdl.launch_kwargs(q.device),
+        QROT=rot is not None, RSQRT_D=d**-0.5,
+        num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
     if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):

@@ -41,12 +41,28 @@ def _bench(fn, rep_ms: int = 200) -> float:
 
 
 def copy_bandwidth(dev) -> float:
-    """GB/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written, timed as an eager
+    call whatever GRAPHS says. Captured in a CUDA graph, `copy_` becomes a memcpy node that the copy
+    engine serves at ~2,420 GB/s on an H100, where the eager call (a copy kernel on the SMs) moves
+    ~2,990 GB/s (fifteenth session; `copy_bandwidths` gives both): the card's copy rate is the
+    faster one, and every "of copy" fraction before that session was taken against the slower."""
+    return max(copy_bandwidths(dev).values())
+
+
+def copy_bandwidths(dev) -> dict[str, float]:
+    """GB/s of the same 1 GiB copy as an eager call and as a CUDA-graph replay."""
+    global GRAPHS
     n = 1 << 30
     a = torch.randn(n // 2, device=dev, dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    ms = _bench(lambda: b.copy_(a))
-    return 2 * n / (ms * 1e-3) / 1e9
+    saved, out = GRAPHS, {}
+    try:
+        for label, graphs in (("eager", False), ("graph", True)):
+            GRAPHS = graphs
+            out[label] = 2 * n / (_bench(lambda: b.copy_(a)) * 1e-3) / 1e9
+    finally:
+        GRAPHS = saved
+    return out
 
 
 def _meta(n_req: int, ctx: int, qlen: int, bs: int, dev):
@@ -293,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     res["triton"] = triton.__version__
-    bw = copy_bandwidth(dev)
+    copies = copy_bandwidths(dev)
+    bw = max(copies.values())
     res["copy_GBps"] = bw
+    res["copy_GBps_by_timing"] = copies
     rows = []
 
     def record(name, ms, nbytes, base_ms=None):
@@ -307,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:44s} {ms:8.3f} ms {gbps:8.0f} GB/s ({gbps / bw:5.1%} of copy) {sp}", flush=True)
         return ms
 
-    print(f"card {res['card']}  copy {bw:.0f} GB/s", flush=True)
+    timings = ", ".join(f"{k} {v:.0f}" for k, v in copies.items())
+    print(f"card {res['card']}  copy {bw:.0f} GB/s ({timings})", flush=True)
     if args.only == "extend":
         flash = sdpa_flash_tflops(dev)
         res["sdpa_flash_causal_TFLOPs"] = flash

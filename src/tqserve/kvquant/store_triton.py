@@ -893,8 +893,9 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     words (3 or 5 bits) takes one warp of 8 tokens (k3v4_nc 0.0498 ms vs 0.0505 at 16 x 2, 3bit_nc
     0.0497 vs 0.0607, tq4 0.0832 vs 0.0844 at 16 x 2 and 0.1041 at 32 x 2), capped at 96 registers for
     one TurboQuant side and 128 for two; otherwise one side at 16 tokens x 2 warps capped at 80
-    (4bit_nc 0.0494 ms, 0.0496 at 8 x 1), two sides at 16 x 2 capped at 128 (tq3 0.0673 vs 0.0722 at
-    32 x 2 x 168, where 32 x 2 x 128 spills; tq_k4v4_ub 0.0688 vs 0.0726). Other head sizes and the
+    (4bit_nc 0.0494 ms, 0.0496 at 8 x 1), two sides at 16 x 2 without a cap (fifteenth session: tq3
+    0.0638 vs 0.0672 capped at 128 and 0.0735 at 168, 0.0899 at 32 x 2 x 128; tq_k4v4_ub 0.0660 vs
+    0.0689 capped, 0.0689 at 8 x 1). Other head sizes and the
     gain search keep the earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4
     (presets without TurboQuant: 32 and 64 no faster; the gain search, ~50 quantizations per element:
     tq4s 4.35 ms vs 4.88 at 64)."""
@@ -903,7 +904,7 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     if tuned:  # (a tile plan means at least one TurboQuant side)
         if any(g not in (None, 0) for g in plan.group):
             return (8, 1, 128) if len(tq) == 2 else (8, 1, 96)
-        return (16, 2, 128) if len(tq) == 2 else (16, 2, 80)
+        return (16, 2, None) if len(tq) == 2 else (16, 2, 80)
     if len(tq) == 2 and not plan.search:
         return 64, 4, None
     return 16, 4, None
