@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--flush", action="store_true", help="flush the L2 before every call (as bench kernels)")
+    ap.add_argument("--slots", default="tokens", choices=("tokens", "pages"), help="`kernels.store_slots` order")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from tqserve.kvquant import store_triton as new
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator(device=dev).manual_seed(0)
         k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
         v = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
-        slots = torch.randperm(t, device=dev, generator=gen) + bs
+        slots = kernels.store_slots(t, bs, args.slots, dev, gen)
         nbytes = 2 * k.numel() * 2 + t * fmt.page_bytes_per_token() + t * 8
         cases = []
         for label, mod in [*others, ("new", new)]:

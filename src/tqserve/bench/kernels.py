@@ -261,7 +261,21 @@ def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=(), 
     return flash
 
 
-def store_case(preset, t, hkv, d, dev) -> tuple[float, float]:
+def store_slots(t: int, bs: int, order: str, dev, generator=None) -> torch.Tensor:
+    """Slot mapping of a t-token store into pages of bs slots, page 0 left unused. "pages": the pages in
+    random order, each filled in slot order - what a prefill chunk writes (a request's tokens fill its
+    pages in order; the pages come from the free list in any order). "tokens": every token at a random
+    slot - the worst case, which no step produces at this size (a decode step's one token per request
+    does, at a few hundred tokens); every fp16 scalar is then a 2-byte write into a sector of its own."""
+    if order == "pages":
+        first = (torch.randperm(t // bs, device=dev, generator=generator) + 1) * bs
+        return (first[:, None] + torch.arange(bs, device=dev)).flatten()
+    if order == "tokens":
+        return torch.randperm(t, device=dev, generator=generator) + bs
+    raise ValueError(f"slot order must be 'pages' or 'tokens', got {order!r}")
+
+
+def store_case(preset, t, hkv, d, dev, order: str = "pages") -> tuple[float, float]:
     from tqserve.kvquant.presets import make_layer_format
     from tqserve.kvquant.store_triton import StorePlan, store_kv
 
@@ -270,7 +284,7 @@ def store_case(preset, t, hkv, d, dev) -> tuple[float, float]:
     pages = fmt.allocate(t // bs + 2, bs, dev)
     k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    slots = torch.randperm(t, device=dev) + bs
+    slots = store_slots(t, bs, order, dev)
     plan = StorePlan(fmt, dev)
     ms = _bench(lambda: store_kv(pages, plan, k, v, slots))
     nbytes = 2 * k.numel() * 2 + t * fmt.page_bytes_per_token() + t * 8
@@ -406,10 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     ext = [x for x in ("auto", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3") if x in presets]
     res["sdpa_flash_extend_TFLOPs"] = extend_rows(dev, ctx, 2048, ext, hq, hkv, d, flash, rows)
     # ---- store
-    for p in presets:
-        ms, gbps = store_case(p, 16384, hkv, d, dev)
-        rows.append({"case": f"store {p} 16384 tok", "ms": ms, "GBps": gbps, "bw_frac": gbps / bw})
-        print(f"store {p:36s} {ms:8.3f} ms {gbps:8.0f} GB/s ({gbps / bw:5.1%} of copy)", flush=True)
+    for order in ("pages", "tokens"):  # a prefill chunk's slots; every token at a random slot
+        for p in presets:
+            ms, gbps = store_case(p, 16384, hkv, d, dev, order)
+            name = f"store {p} 16384 tok, {order} in random order"
+            rows.append({"case": name, "ms": ms, "GBps": gbps, "bw_frac": gbps / bw})
+            print(f"{name:58s} {ms:8.3f} ms {gbps:8.0f} GB/s ({gbps / bw:5.1%} of copy)", flush=True)
     res["rows"] = rows
     if args.json:
         with open(args.json, "w") as f:
