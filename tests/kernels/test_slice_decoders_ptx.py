@@ -80,6 +80,8 @@ def run_ptx(block: str, inputs: dict[str, list[int]], outputs: list[str]) -> dic
                 r = v[0] << v[1]
             elif op.startswith("mul.lo"):
                 r = v[0] * v[1]
+            elif op.startswith("mad.lo"):
+                r = v[0] * v[1] + v[2]
             elif op.startswith("add"):
                 r = v[0] + v[1]
             elif op.startswith("prmt"):
@@ -101,13 +103,14 @@ def _cb_bits(bits: int, d: int = 128) -> list[int]:
     return [int(v) & 0xFFFF for v in c.view(torch.int16).numpy()]
 
 
-@pytest.mark.parametrize("pairs", [0, 1])
+@pytest.mark.parametrize("pairs", [0, 1, 2])
 def test_two_bit_pair_decoders(pairs):
-    """`shfl_pair_slices` (one shuffle per two codes) and `shfl_slices` at 2 bits: all 256 x 256
-    (word 0, word 1) byte-word pairs, every slice."""
+    """`shfl_pair_slices` (one shuffle per two codes), `shfl_slices` at 2 bits and `prmt_pair_slices`
+    (no shuffle): all 256 x 256 (word 0, word 1) byte-word pairs, every slice."""
     host = tq_codebook(2, 128)[0].half()
     table = _cb_bits(2)
-    blocks = paged_decode.shfl_pair_slices(host) if pairs else paged_decode.shfl_slices(host, 2)
+    make = {0: lambda h: paged_decode.shfl_slices(h, 2), 1: paged_decode.shfl_pair_slices}
+    blocks = make.get(pairs, paged_decode.prmt_pair_slices)(host)
     rng = np.random.default_rng(0)
     words = [(w0, w1) for w0 in range(256) for w1 in range(256)]
     rng.shuffle(words)

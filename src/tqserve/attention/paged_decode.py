@@ -118,7 +118,8 @@ BYTE_VALUES_MIN_D = 128
 # benchmarks sweep it. H200, eighth session: 200 was 3-17% slower, 168 17-32% (spills in the key loop).
 MAXNREG = 0
 # 2-bit codebooks decode through the pair table (`shfl_pair_slices`: one shuffle per two codes);
-# 0: one shuffle per code (`shfl_slices`), for A/B timing.
+# 0: one shuffle per code (`shfl_slices`); 2: no shuffle, one byte permute per two codes
+# (`prmt_pair_slices`); for A/B timing.
 PAIR_TABLES = 1
 # 3-bit min-max values through `minmax_slices3` (1) or `_mm_slice`'s Triton ops (0), for A/B timing
 MINMAX3_ASM = 0
@@ -332,6 +333,28 @@ def shfl_pair_slices(codebook16) -> tuple[str, str, str, str]:
     for j in range(4):
         body = common + _pair_select("s", "$1", 2 * j, 16 + 2 * j)
         body += "shfl.sync.idx.b32 $0, tb, s, 0x1f, 0xffffffff;\n"
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
+def prmt_pair_slices(codebook16) -> tuple[str, str, str, str]:
+    """`shfl_pair_slices`' contract (2-bit codes at bits 2j and 16 + 2j of $1 -> fp16x2 (c[a], c[b]))
+    without a shuffle: the 4 centroids are 8 bytes in two registers, and one PRMT picks both halves'
+    bytes with the selector nibbles (2a, 2a + 1, 2b, 2b + 1), built by one multiply-add of the masked
+    codes (a * 0x22 + 0x10 in byte 0, b * 0x22 + 0x10 in byte 2) and a PRMT that joins those bytes.
+    Five integer instructions per pair (four for j = 0) instead of three and a shuffle: the shuffles
+    leave the MIO pipe, which the key lookups and shared-memory loads share (`PAIR_TABLES` = 2)."""
+    import torch
+
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 4
+    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
+    t0, t1 = raw[0] | raw[1] << 16, raw[2] | raw[3] << 16
+    out = []
+    for j in range(4):
+        body = f".reg .b32 x, u, s, T0, T1;\nmov.b32 T0, {t0:#x};\nmov.b32 T1, {t1:#x};\n"
+        body += f"shr.u32 x, $1, {2 * j};\n" if j else "mov.b32 x, $1;\n"
+        body += "and.b32 x, x, 0x30003;\nmad.lo.u32 u, x, 0x22, 0x100010;\n"
+        body += "prmt.b32 s, u, 0, 0x0020;\nprmt.b32 $0, T0, T1, s;\n"
         out.append("{\n" + body + "}")
     return tuple(out)
 
@@ -866,7 +889,7 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
         if LOOKUP != "shfl" or bits == 3 and not MINMAX3_ASM:
             return none
         return minmax_slices3() if bits == 3 else minmax_slices(bits)
-    if LOOKUP == "prmt" and bits != 4 or bits == 3 and LOOKUP != "shfl":
+    if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and PAIR_TABLES == 2) or bits == 3 and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
     key = (side, bits, LOOKUP, PAIR_TABLES)
@@ -876,6 +899,8 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
         host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
         if bits == 3:
             cache[key] = shfl_slices3(host)
+        elif bits == 2 and PAIR_TABLES == 2:
+            cache[key] = prmt_pair_slices(host)
         elif LOOKUP == "shfl" and bits == 2 and PAIR_TABLES:
             cache[key] = shfl_pair_slices(host)
         elif LOOKUP == "shfl":
