@@ -152,6 +152,17 @@ def test_launch_configs():
     assert narrow.launch_config(64, True, 16, True) == (*small_exact, narrow.SMALL_D_EXACT_MAXNREG)
 
 
+def test_two_bit_decoders_rule(monkeypatch):
+    """Byte-permute 2-bit decoders for the narrow kernel's decode steps, PAIR_TABLES elsewhere; the
+    narrow kernel's launch key tells the two apart (their register counts differ)."""
+    assert paged_decode.pair_tables(True, 1) == 2
+    assert paged_decode.pair_tables(True, 5) == paged_decode.pair_tables(False, 1) == paged_decode.PAIR_TABLES
+    lay = _layout("tq3", 2, 128)
+    assert narrow.plan(lay, 128, 4, 1, 2, 4096, 132, DEV)[4] != narrow.plan(lay, 128, 4, 2, 2, 4096, 132, DEV)[4]
+    monkeypatch.setattr(paged_decode, "PRMT2_DECODE", 0)
+    assert paged_decode.pair_tables(True, 1) == paged_decode.PAIR_TABLES
+
+
 def test_narrow_pair_scalars_rule(monkeypatch):
     """Scalars through 32-bit words everywhere but decode steps over codebook values without exact
     copies; PAIR_SCALARS = 0 / 2 turn them off / on everywhere."""
@@ -476,6 +487,7 @@ def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, qlen, narrow_on
         pytest.skip("PAIR_TABLES = 2 changes only 2-bit codebook decoders")
     monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     monkeypatch.setattr(paged_decode, "PAIR_TABLES", pair_tables)
+    monkeypatch.setattr(paged_decode, "PRMT2_DECODE", 0)  # PAIR_TABLES alone picks the 2-bit decoders
     d, hq, hkv, bs = 128, 32, 8, 16
     ctx = [3000, 777, 1500]
     gen = torch.Generator().manual_seed(7)

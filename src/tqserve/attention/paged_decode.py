@@ -121,6 +121,13 @@ MAXNREG = 0
 # 0: one shuffle per code (`shfl_slices`); 2: no shuffle, one byte permute per two codes
 # (`prmt_pair_slices`); for A/B timing.
 PAIR_TABLES = 1
+# Decode steps of the narrow kernel take the byte-permute decoders for 2-bit codebooks whatever
+# PAIR_TABLES says (`pair_tables`): the shuffles' results are what tq3's decode loop waits on most (ncu,
+# fifteenth session: 23% of stall samples on the short scoreboard, the largest behind PRMT / SHF
+# after the shuffles). H100, CUDA-graph replays, shuffle pairs -> byte permutes: tq3 32 x 32K 0.513 /
+# 0.517 -> 0.492 / 0.495 ms, 1 x 128K 0.0852 -> 0.0838; tq_k4v2_ub 0.572 -> 0.541, 0.0970 -> 0.0923.
+# Verify steps keep the shuffles (tq3 32 x 5 x 32K 0.943 -> 0.953, tq_k4v2_ub 0.944 -> 0.965).
+PRMT2_DECODE = 1
 # 3-bit min-max values through `minmax_slices3` (1) or `_mm_slice`'s Triton ops (0), for A/B timing
 MINMAX3_ASM = 0
 # 3-bit min-max values of narrow decode steps (at most 8 columns) loaded as three byte tiles
@@ -880,8 +887,16 @@ def _decode_kernel(
         tl.store(lse_ptr + pid_s * stride_ls + tok * stride_lt + hq, lse, mask=row_ok)
 
 
-def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
-    """Inline-PTX slice decoders for a side on the GPU (`LOOKUP`), else empty strings (gathers)."""
+def pair_tables(narrow: bool, max_query_len: int) -> int:
+    """The 2-bit codebook decoders of a step (`PAIR_TABLES`' values): byte permutes (2) for decode steps
+    of the narrow kernel (`PRMT2_DECODE`), PAIR_TABLES otherwise."""
+    return 2 if PRMT2_DECODE and narrow and max_query_len == 1 else PAIR_TABLES
+
+
+def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[str, str, str, str]:
+    """Inline-PTX slice decoders for a side on the GPU (`LOOKUP`), else empty strings (gathers);
+    `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None)."""
+    pairs = PAIR_TABLES if pairs is None else pairs
     none = ("", "", "", "")
     if _interpreting() or LOOKUP == "gather" or not layout.key_cb16.is_cuda:
         return none
@@ -889,19 +904,19 @@ def _asm_for(layout, side: str, bits: int) -> tuple[str, str, str, str]:
         if LOOKUP != "shfl" or bits == 3 and not MINMAX3_ASM:
             return none
         return minmax_slices3() if bits == 3 else minmax_slices(bits)
-    if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and PAIR_TABLES == 2) or bits == 3 and LOOKUP != "shfl":
+    if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits == 3 and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    key = (side, bits, LOOKUP, PAIR_TABLES)
+    key = (side, bits, LOOKUP, pairs)
     if key not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
         host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
         if bits == 3:
             cache[key] = shfl_slices3(host)
-        elif bits == 2 and PAIR_TABLES == 2:
+        elif bits == 2 and pairs == 2:
             cache[key] = prmt_pair_slices(host)
-        elif LOOKUP == "shfl" and bits == 2 and PAIR_TABLES:
+        elif LOOKUP == "shfl" and bits == 2 and pairs:
             cache[key] = shfl_pair_slices(host)
         elif LOOKUP == "shfl":
             cache[key] = shfl_slices(host, bits)
@@ -1017,8 +1032,9 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     kcb, vcb, _ = centroid_tables(layout, False, model_f32)
     vcb = vcb if vcb is not None else kcb
     # float32 models gather float32 centroids (the asm decoders make fp16 operands)
-    kasm = ("", "", "", "") if model_f32 else _asm_for(layout, "k", layout.key_bits)
-    vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits)
+    pairs = pair_tables(use_narrow, meta.max_query_len)
+    kasm = ("", "", "", "") if model_f32 else _asm_for(layout, "k", layout.key_bits, pairs)
+    vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits, pairs)
     byte_vals = (
         layout.val_mode == CODEBOOK and layout.val_bits == 2 and bq * gp >= BYTE_VALUES_ROWS and d >= BYTE_VALUES_MIN_D
     )

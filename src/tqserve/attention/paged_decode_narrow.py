@@ -250,7 +250,7 @@ def plan(
     )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
-    key += (rotates_query(layout, head_dim),)
+    key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
