@@ -62,10 +62,10 @@ MAXNREG = 0  # register cap of every other configuration (0: the compiler's choi
 # Launch table (warps, key tile, pipeline stages), tuned on the H100 with CUDA-graph replays
 # (`benchmarks/decode_ab.py --variants`, docs/benchmarks.md, ninth session), one warp throughout:
 # - d = 128, min-max values: 32-key tiles, 3 stages (128 registers: 16 programs per SM);
-# - d = 128, codebook values (shuffle tables, more registers): 64-key tiles, 2 stages (32-key
-#   tiles 10% slower at 32 x 32K);
+# - d = 128, codebook values (shuffle tables, more registers): 64-key tiles, 3 stages (32-key
+#   tiles 10% slower at 32 x 32K; 3 stages since the fifteenth session, `CB_VALUES_STAGES`);
 # - d = 256: 32-key tiles, 2 stages (tq_k4v4_nc, 16 / 2 heads, 32 x 32K: 26% faster than 64);
-# - d >= 128 with exact copies: 64-key tiles, 2 stages;
+# - d >= 128 with exact copies: 64-key tiles, 3 stages at d = 128 (`EXACT_STAGES`), 2 above;
 # - d < 128: 64-key tiles, 3 stages (with exact copies registers capped, `SMALL_D_EXACT_MAXNREG`);
 # - more than 16 columns (verify steps of GQA groups of 4 and more): 32-key tiles, 3 stages (32 x 5 x
 #   32K, eleventh session, same call: 4bit_nc 2 stages 1.046 ms, 3 stages 1.001; tq3 1.085 either way;
