@@ -378,7 +378,7 @@ def test_narrow_gets_two_word_decoders(monkeypatch):
     words per register) in `paged_decode`'s kernel only; the narrow kernel must be handed the
     two-words-per-register ones. (The interpreter runs no inline PTX, so the decoders are stand-ins
     and the launch is recorded, not run.)"""
-    monkeypatch.setattr(paged_decode, "_asm_for", lambda layout, side, bits: (f"{side}-pair",) * 4)
+    monkeypatch.setattr(paged_decode, "_asm_for", lambda layout, side, bits, pairs=None: (f"{side}-pair",) * 4)
     monkeypatch.setattr(paged_decode, "_asm_b8", lambda layout: ("v-bytes",) * 4)
     got = {}
 
