@@ -123,8 +123,8 @@ MAXNREG = 0
 PAIR_TABLES = 1
 # Decode steps of the narrow kernel take the byte-permute decoders for 2-bit codebooks whatever
 # PAIR_TABLES says (`pair_tables`): the shuffles' results are what tq3's decode loop waits on most (ncu,
-# fifteenth session: 23% of stall samples on the short scoreboard, the largest behind PRMT / SHF
-# after the shuffles). H100, CUDA-graph replays, shuffle pairs -> byte permutes: tq3 32 x 32K 0.513 /
+# fifteenth session: 23% of stall samples are short-scoreboard waits, mostly in the PRMT / SHF that
+# consume shuffle results). H100, CUDA-graph replays, shuffle pairs -> byte permutes: tq3 32 x 32K 0.513 /
 # 0.517 -> 0.492 / 0.495 ms, 1 x 128K 0.0852 -> 0.0838; tq_k4v2_ub 0.572 -> 0.541, 0.0970 -> 0.0923.
 # Verify steps keep the shuffles (tq3 32 x 5 x 32K 0.943 -> 0.953, tq_k4v2_ub 0.944 -> 0.965).
 PRMT2_DECODE = 1

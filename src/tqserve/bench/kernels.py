@@ -45,7 +45,8 @@ def copy_bandwidth(dev) -> float:
     call whatever GRAPHS says. Captured in a CUDA graph, `copy_` becomes a memcpy node that the copy
     engine serves at ~2,420 GB/s on an H100, where the eager call (a copy kernel on the SMs) moves
     ~2,990 GB/s (fifteenth session; `copy_bandwidths` gives both): the card's copy rate is the
-    faster one, and every "of copy" fraction before that session was taken against the slower."""
+    faster one. Before that session, every "of copy" fraction of a `--graphs` run was taken against
+    the slower one."""
     return max(copy_bandwidths(dev).values())
 
 

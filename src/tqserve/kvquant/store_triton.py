@@ -893,7 +893,7 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     words (3 or 5 bits) takes one warp of 8 tokens (k3v4_nc 0.0498 ms vs 0.0505 at 16 x 2, 3bit_nc
     0.0497 vs 0.0607, tq4 0.0832 vs 0.0844 at 16 x 2 and 0.1041 at 32 x 2), capped at 96 registers for
     one TurboQuant side and 128 for two; otherwise one side at 16 tokens x 2 warps capped at 80
-    (4bit_nc 0.0494 ms, 0.0496 at 8 x 1), two sides at 16 x 2 without a cap (fifteenth session: tq3
+    (4bit_nc 0.0494 ms, 0.0496 at 8 x 1), two sides at 16 x 2 without a cap (fifteenth session, L2 warm: tq3
     0.0638 vs 0.0672 capped at 128 and 0.0735 at 168, 0.0899 at 32 x 2 x 128; tq_k4v4_ub 0.0660 vs
     0.0689 capped, 0.0689 at 8 x 1). Other head sizes and the
     gain search keep the earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4
