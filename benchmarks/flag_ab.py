@@ -22,6 +22,11 @@ from tqserve.bench import kernels
 from tqserve.bench.kernels import Case, _bench, copy_bandwidth, sdpa_decode_ms
 
 
+def _cast(current, text: str):
+    """`text` as the type of the switch's current value (bool("0") would be True: bools go through int)."""
+    return bool(int(text)) if isinstance(current, bool) else type(current)(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--module", required=True, help="module under tqserve.attention")
@@ -35,7 +40,7 @@ def main() -> None:
     configs = []
     for spec in args.configs.split(";"):
         sets = dict(kv.split("=") for kv in spec.split(",") if kv)
-        configs.append({k: type(getattr(mod, k))(v) for k, v in sets.items()})
+        configs.append({k: _cast(getattr(mod, k), v) for k, v in sets.items()})
     kernels.GRAPHS = True
     dev = torch.device("cuda")
     torch.manual_seed(0)
