@@ -58,7 +58,6 @@ MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # GPU decoders of 2- / 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
 # numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
-PARTIALS_16 = 0  # split-K partials in the model's 16-bit dtype (A/B switch)
 # Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants;
 # docs/benchmarks.md, "Launch table"):
 # - decode at d = 128 (16-row programs) without exact copies: one warp over 64-key tiles, split-K
@@ -1021,8 +1020,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     if direct:
         part = out
     else:
-        part_dtype = qx.dtype if PARTIALS_16 and splits > 1 and not model_f32 else torch.float32
-        part = torch.empty((max(1, splits), T, hq, npart * d), device=dev, dtype=part_dtype)
+        part = torch.empty((max(1, splits), T, hq, npart * d), device=dev, dtype=torch.float32)
     lse = torch.empty((splits, T, hq), device=dev, dtype=torch.float32) if splits > 1 else part
     if exact_copies and (layout.window and ring is None or layout.sink and sinks is None):
         raise ValueError("layout keeps exact copies but no ring / sink buffers were given")
