@@ -1,9 +1,15 @@
-"""RMSNorm, computed in float32 whatever the model dtype (as HF does), with an optional fused residual add."""
+"""RMSNorm, computed in float32 whatever the model dtype (as HF does), with an optional fused residual add.
+
+On CUDA tensors one Triton launch does it all (`ops.rms_norm`); this torch expression is its reference.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from tqserve.ops import fused
+from tqserve.ops.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +29,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pre-norm
         decoder pattern, so the sum that feeds the next layer's residual branch is returned too."""
+        if fused(x):
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -13,6 +13,9 @@ import math
 import torch
 from torch import nn
 
+from tqserve.ops import fused
+from tqserve.ops.rope import rope_qk
+
 
 def rope_parameters(hf_config) -> tuple[float, dict]:
     """(theta, scaling dict) from an HF config, old style (`rope_theta` + `rope_scaling`) or
@@ -94,4 +97,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, head_dim], k: [T, Hkv, head_dim]; positions: [T] int64, or `table(positions)`."""
         cos, sin = self.table(positions) if isinstance(positions, torch.Tensor) else positions
+        half = self.rotary_dim // 2
+        if fused(q) and self.rotary_dim % 2 == 0 and half & (half - 1) == 0 and q.dtype == k.dtype:
+            return rope_qk(q, k, cos, sin, self.rotary_dim)  # one launch for both (ops/rope.py)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -19,6 +19,8 @@ from tqserve.layers.embedding import LMHead, VocabEmbedding
 from tqserve.layers.linear import Linear, MergedLinear
 from tqserve.layers.norm import RMSNorm
 from tqserve.layers.rotary import RotaryEmbedding, rope_parameters
+from tqserve.ops import fused
+from tqserve.ops.silu_mul import silu_mul
 
 # Checkpoint projection name -> (fused module name, shard index).
 _FUSED_SHARDS = {
@@ -74,6 +76,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, cfg.hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused(x):
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))  # one launch (ops/silu_mul.py)
         gate, up = self.gate_up_proj.shards(x)
         return self.down_proj(F.silu(gate) * up)
 
