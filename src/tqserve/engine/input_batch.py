@@ -66,6 +66,12 @@ class InputBatchBuilder:
         self.seq_slots = _Buffer((max_num_reqs,), torch.int32, device)
         self.sink_slots = _Buffer((max_num_reqs,), torch.int32, device)
         self.block_tables = _Buffer((max_num_reqs, max_blocks_per_seq), torch.int32, device)
+        # Per block-table row: the request's page list last written there and how many entries of it
+        # were. Page lists only grow while a request runs (a preempted one gets a new list), so a row
+        # whose list is the same object needs only its new entries: a 64-request decode step at 4K
+        # context otherwise converts 64 lists of 257 ints every step. The reference keeps the list
+        # alive, so its identity cannot be reused by another request's list.
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_num_reqs
         self.sample_idx = _Buffer((max_num_reqs,), torch.int64, device)
         # Exact-window snapshots (presets with a window): at most two per request and step.
         self.window = window
@@ -86,9 +92,16 @@ class InputBatchBuilder:
         snaps = []  # (boundary, start, first token row, sequence slot, snapshot slot)
         ids_np, pos_np, slot_np = self.input_ids.np, self.positions.np, self.slot_mapping.np
         bt_np = self.block_tables.np
+        rows = self._rows
         for i, s in enumerate(sched.requests):
             n = len(s.token_ids)
-            bt_np[i, : len(s.block_table)] = s.block_table
+            table, (last, written) = s.block_table, rows[i]
+            if last is not table or len(table) < written:
+                bt_np[i, : len(table)] = table
+                rows[i] = (table, len(table))
+            elif len(table) > written:
+                bt_np[i, written : len(table)] = table[written:]
+                rows[i] = (table, len(table))
             if n == 1:
                 # A decode row: scalar arithmetic (numpy's per-call overhead is most of a row's cost).
                 p = s.start_pos
@@ -123,6 +136,7 @@ class InputBatchBuilder:
             slot_np[t] = -1
             slot_map.append(-1)
             bt_np[i] = 0
+            rows[i] = (None, 0)
             tables.append([0])
             seq_lens.append(1)
             seq_slots.append(0)
