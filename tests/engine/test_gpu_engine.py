@@ -4,11 +4,15 @@ greedy tokens as the torch reference backend, for bf16 pages and TurboQuant pres
 model in bfloat16 (the serving dtype) and in float32 (where attention rounding is smallest).
 
 What holds on the H100 (docs/benchmarks.md): the float32 model on unquantized pages, every
-configuration. TurboQuant presets and the bfloat16 model do not hold token for token and are
-expected to fail here: the store writes the reference's bytes for the same inputs and the kernels
-agree with the reference to ~1e-6 (test_gpu_backend_agreement.py), but those 1e-6 differences reach
-the next layer's K / V, where a quantization boundary turns them into a different index now and then
-(the bfloat16 model: logit ties). benchmarks/engine_gpu.sh runs the subset that holds by default."""
+configuration, up to floating-point near-ties: a sequence may take the other of two tokens whose
+logprobs are within NEAR_TIE nats in a clean run, which `near_tie_report` measures for every
+divergence (bf16 page rounding turns ~1e-6 differences into whole bf16 steps now and then; the
+sixteenth session saw one such sequence, 0.004 nats apart). TurboQuant presets and the bfloat16
+model do not hold and are expected to fail here: the store writes the reference's bytes for the
+same inputs and the kernels agree with the reference to ~1e-6 (test_gpu_backend_agreement.py), but
+those 1e-6 differences reach the next layer's K / V, where a quantization boundary turns them into
+a different index now and then, which moves logits by far more than a near-tie (the bfloat16
+model: logit ties). benchmarks/engine_gpu.sh runs the subset that holds by default."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import pytest
 import torch
 from test_invariance import GREEDY, mixed_prompts
 
-from tqserve import LLM
+from tqserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -46,9 +50,9 @@ def run(loaded, prompts, backend, kv, cfg):
     llm = LLM(
         loaded=model, device="cuda", dtype=dtype, attention_backend=backend, kv_cache_dtype=kv, max_model_len=1024, **kw
     )
-    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    outs = llm.generate(prompts, GREEDY)
     if kw["enable_prefix_caching"]:  # a second round served from the prefix cache
-        out += [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        outs += llm.generate(prompts, GREEDY)
         assert llm.engine.get_stats()["prefix_cache_hits"] > 0
         if any(f.window for f in llm.engine.runner.formats):  # hits restore exact-window snapshots
             assert llm.engine.get_stats()["window_snapshot_hits"] > 0
@@ -57,7 +61,46 @@ def run(loaded, prompts, backend, kv, cfg):
     backend_name = type(llm.engine.runner.backend).__name__
     del llm
     torch.cuda.empty_cache()
-    return out, backend_name
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs], backend_name
+
+
+# A divergence counts as a floating-point near-tie when, in a clean run of the prompt plus the common
+# prefix (no chunking, no preemption), the two tokens are within this many nats in the reference
+# backend's logprobs. H100, sixteenth session: the float32 model on bf16 pages with preemption diverged
+# in 1 of 16 sequences where the top two were 0.004 nats apart (-2.5522 / -2.5563), and the reference
+# backend itself picks the other token there without preemption; bf16 page rounding turns ~1e-6
+# differences of a recomputed K / V into whole bf16 steps now and then.
+NEAR_TIE = 0.02
+
+
+def near_tie_report(loaded, kv, ref, got) -> tuple[list[str], list[str]]:
+    """(near ties, other divergences) of the sequences whose greedy tokens differ, judged at their
+    first differing position from both backends' top-5 logprobs in a clean run."""
+    dtype, model = loaded
+    probes = []
+    for (prompt, r), (_, g) in zip(ref, got):
+        if r != g:
+            j = next(j for j, (a, b) in enumerate(zip(r, g)) if a != b)
+            probes.append((prompt + r[:j], j, r[j], g[j]))
+    tops = {}
+    for backend in ("reference", "triton"):
+        llm = LLM(
+            loaded=model, device="cuda", dtype=dtype, attention_backend=backend, kv_cache_dtype=kv,
+            max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=1 << 30,
+        )  # fmt: skip
+        outs = llm.generate(
+            [{"prompt_token_ids": ids} for ids, *_ in probes], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+        )
+        tops[backend] = [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    ties, others = [], []
+    for (_, j, r, g), lr, lt in zip(probes, tops["reference"], tops["triton"]):
+        desc = f"token {j}: reference {r} / triton {g}; logprobs of the two: reference {lr.get(r)} / {lr.get(g)}"
+        desc += f", triton {lt.get(r)} / {lt.get(g)}"
+        tie = r in lr and g in lr and abs(lr[r] - lr[g]) <= NEAR_TIE
+        (ties if tie else others).append(desc)
+    return ties, others
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
@@ -68,7 +111,12 @@ def test_triton_matches_reference(loaded_gpu, kv, cfg):
     got, name = run(loaded_gpu, prompts, "triton", kv, CONFIGS[cfg])
     assert name == "TritonAttentionBackend"
     same = sum(a == b for a, b in zip(got, ref))
-    tokens = sum(len(r) for r in ref)
-    agree = sum(x == y for a, b in zip(got, ref) for x, y in zip(a, b))
+    tokens = sum(len(r) for _, r in ref)
+    agree = sum(x == y for (_, a), (_, b) in zip(got, ref) for x, y in zip(a, b))
     print(f"\n{loaded_gpu[0]} kv={kv} {cfg}: {same}/{len(ref)} sequences, {agree}/{tokens} tokens identical")
-    assert got == ref, f"{same}/{len(ref)} sequences identical"
+    if got != ref:
+        # Every divergence must be a measured floating-point near-tie; anything else is a bug.
+        ties, others = near_tie_report(loaded_gpu, kv, ref, got)
+        for t in ties:
+            print(f"  near tie, {t}")
+        assert not others, f"{same}/{len(ref)} sequences identical; divergences that are not near-ties: {others}"
