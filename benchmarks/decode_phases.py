@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tqserve import LLM, SamplingParams
+from tqserve import LLM, RequestOutputKind, SamplingParams
 from tqserve.models.loader import load_model
 
 
@@ -58,7 +58,9 @@ def main() -> None:
         _timed(eng.scheduler, "update", acc, "update")
         _timed(eng.processor, "process", acc, "output processing")
         vocab = eng.model_config.vocab_size
-        params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        )
         for i in range(b):
             eng.add_request(f"r{i}", [(7 + 31 * i + 17 * j) % vocab for j in range(n)], params)
         while any(q.num_output_tokens == 0 for q in eng.scheduler.requests.values()):

@@ -2,9 +2,9 @@
 
 __version__ = "0.1.0"
 
-from tqserve.sampling_params import SamplingParams  # noqa: E402
+from tqserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
-__all__ = ["SamplingParams", "LLM", "__version__"]
+__all__ = ["SamplingParams", "RequestOutputKind", "LLM", "__version__"]
 
 
 def __getattr__(name: str):

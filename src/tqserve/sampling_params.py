@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What `LLMEngine.step` returns for a request (vLLM's names): CUMULATIVE, every step the output so
+    far (streaming consumers); FINAL_ONLY, one output when the request finishes (offline `LLM.generate`,
+    which then skips building an output per request and step). DELTA is vLLM's third kind and not
+    served: the server computes its own deltas from cumulative outputs."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -29,6 +41,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Engine-internal: return the full log-softmax of every prompt position (KV-quality evaluation).
     prompt_logprobs_full: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -77,6 +90,8 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise bad("output_kind", "must be RequestOutputKind.CUMULATIVE or FINAL_ONLY (DELTA is not served)")
 
     @property
     def greedy(self) -> bool:

@@ -26,7 +26,7 @@ def bench_tqserve(
     """Output tokens/s of one batch, prompts included in the timing (as in transformers' generate).
     With prompt_len > 0 the prompts are synthetic token ids of that length and only the decode
     steps are timed (prefill is done first, then every request decodes new_tokens together)."""
-    from tqserve import LLM, SamplingParams
+    from tqserve import LLM, RequestOutputKind, SamplingParams
 
     max_len = max(1024, prompt_len + new_tokens + 16)
     if prompt_len:
@@ -37,7 +37,10 @@ def bench_tqserve(
     llm = LLM(
         loaded=loaded, device=device, dtype=dtype, max_model_len=max_len, max_num_seqs=max(batch, 1), **engine_kwargs
     )
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    # the timed steps build no per-step outputs, as LLM.generate asks of the engine
+    params = SamplingParams(
+        temperature=0.0, max_tokens=new_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     llm.generate(["warm-up"], SamplingParams(temperature=0.0, max_tokens=4))
     dev = torch.device(llm.engine.model_config.device)
     if prompt_len:

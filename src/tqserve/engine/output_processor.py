@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tqserve.outputs import CompletionOutput, Logprob, RequestOutput
 from tqserve.request import FINISH_REASONS, Request, RequestStatus
+from tqserve.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -26,7 +27,6 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[SampleState]
-    stream: bool = True
     prompt_logprobs: list | None = None
     prompt_logprobs_full: list = field(default_factory=list)
 
@@ -61,6 +61,9 @@ class OutputProcessor:
             touched[pid] = parent
         outs = []
         for parent in touched.values():
+            final_only = parent.samples[0].request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+            if final_only and not all(s.output.finished for s in parent.samples):
+                continue  # no per-step copy of the output so far: nobody reads it
             outs.append(self._make_output(parent))
         return outs, stop_now
 
@@ -77,7 +80,9 @@ class OutputProcessor:
                 chosen, rank, top = lp
                 entry = {tid: Logprob(val, r + 1, self._tok_text(tid)) for r, (tid, val) in enumerate(top)}
                 entry[tok] = Logprob(chosen, rank, self._tok_text(tok))
-                out.logprobs = (out.logprobs or []) + [entry]
+                if out.logprobs is None:
+                    out.logprobs = []
+                out.logprobs.append(entry)  # returned outputs hold copies (`_copy`)
                 out.cumulative_logprob = (out.cumulative_logprob or 0.0) + chosen
             hide = tok in req.eos_token_ids and not sp.ignore_eos or tok in sp.stop_token_ids
             delta = state.detok.add_token(tok) if not (hide and sp.skip_special_tokens) else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ from tqdm import tqdm
 from tqserve.config import EngineArgs
 from tqserve.engine.llm_engine import LLMEngine
 from tqserve.outputs import RequestOutput
-from tqserve.sampling_params import SamplingParams
+from tqserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict
 
@@ -43,6 +44,8 @@ class LLM:
         for prompt, sp in zip(prompts, params):
             rid = str(next(self._ids))
             text, ids = self._tokenize(prompt)
+            # only finished outputs are read here (`_run`): the engine need not build one every step
+            sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
             self.engine.add_request(rid, ids, sp, prompt=text)
             order.append(rid)
         return self._run(order, use_tqdm)
