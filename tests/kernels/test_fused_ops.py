@@ -90,10 +90,6 @@ def test_rms_norm_heads_and_batch_invariance():
     assert torch.equal(one[0], got[4])
 
 
-def _table(rope: RotaryEmbedding, positions: torch.Tensor):
-    return rope.table(positions)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d,rotary_dim", [(64, 64), (64, 32), (128, 128)])
 def test_rope_matches_reference(dtype, d, rotary_dim):
@@ -104,7 +100,7 @@ def test_rope_matches_reference(dtype, d, rotary_dim):
     qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype)
     q = qkv[:, : hq * d].view(t, hq, d)
     k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-    cos, sin = _table(rope, positions)
+    cos, sin = rope.table(positions)
     want_q, want_k = rope._rotate(q, cos, sin), rope._rotate(k, cos, sin)
     got_q, got_k = rope_qk(q.to(DEV), k.to(DEV), cos.to(DEV), sin.to(DEV), rotary_dim)
     for x, want, got in ((q, want_q, got_q.cpu()), (k, want_k, got_k.cpu())):
@@ -137,16 +133,15 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
     """The layers call the kernels on CUDA tensors (and the torch expressions with ops.FUSED off); both
     agree to one rounding step at SmolLM2's sizes."""
     calls = []
-    from tqserve.layers import norm as norm_mod
-    from tqserve.layers import rotary as rotary_mod
+    from tqserve.ops import rms_norm as norm_mod
+    from tqserve.ops import rope as rope_mod
 
     monkeypatch.setattr(norm_mod, "rms_norm", lambda *a: calls.append("norm") or rms_norm(*a))
-    monkeypatch.setattr(rotary_mod, "rope_qk", lambda *a: calls.append("rope") or rope_qk(*a))
+    monkeypatch.setattr(rope_mod, "rope_qk", lambda *a: calls.append("rope") or rope_qk(*a))
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(576, 1e-5, dtype=torch.bfloat16).cuda()
     x = (torch.randn(64, 576, generator=gen)).to("cuda", torch.bfloat16)

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from tqserve.ops import fused
-from tqserve.ops.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +29,8 @@ class RMSNorm(nn.Module):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the pre-norm
         decoder pattern, so the sum that feeds the next layer's residual branch is returned too."""
         if fused(x):
+            from tqserve.ops.rms_norm import rms_norm  # Triton: imported on the CUDA path only
+
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

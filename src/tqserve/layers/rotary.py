@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from tqserve.ops import fused
-from tqserve.ops.rope import rope_qk
 
 
 def rope_parameters(hf_config) -> tuple[float, dict]:
@@ -99,5 +98,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.table(positions) if isinstance(positions, torch.Tensor) else positions
         half = self.rotary_dim // 2
         if fused(q) and self.rotary_dim % 2 == 0 and half & (half - 1) == 0 and q.dtype == k.dtype:
+            from tqserve.ops.rope import rope_qk  # Triton: imported on the CUDA path only
+
             return rope_qk(q, k, cos, sin, self.rotary_dim)  # one launch for both (ops/rope.py)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -20,7 +20,6 @@ from tqserve.layers.linear import Linear, MergedLinear
 from tqserve.layers.norm import RMSNorm
 from tqserve.layers.rotary import RotaryEmbedding, rope_parameters
 from tqserve.ops import fused
-from tqserve.ops.silu_mul import silu_mul
 
 # Checkpoint projection name -> (fused module name, shard index).
 _FUSED_SHARDS = {
@@ -77,6 +76,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused(x):
+            from tqserve.ops.silu_mul import silu_mul  # Triton: imported on the CUDA path only
+
             return self.down_proj(silu_mul(self.gate_up_proj(x)))  # one launch (ops/silu_mul.py)
         gate, up = self.gate_up_proj.shards(x)
         return self.down_proj(F.silu(gate) * up)
