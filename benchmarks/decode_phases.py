@@ -2,8 +2,10 @@
 
 PYTHONPATH=src python benchmarks/decode_phases.py --batch 64 --prompt-len 4096 --kv auto turboquant_4bit_nc
 
-Times (medians over the timed steps, ms) the engine's own calls: schedule, the input build, execute (the
-forward, logits, sampling and the read-back that waits for the GPU), scheduler update and output processing.
+Times (medians over the timed steps, ms) the engine's own calls: schedule, launch (the input build, then
+the forward, logits and sampling enqueued), the read-back that waits for the GPU, scheduler update and
+output processing (with asynchronous output processing, the CUDA default, it runs between launch and
+read-back: overlapped with the device, and the read-back waits less).
 One engine per KV preset, built and freed in turn in one process, as `tqserve bench throughput` builds them.
 """
 
@@ -33,6 +35,26 @@ def _timed(obj, name: str, acc: dict, key: str) -> None:
     setattr(obj, name, wrapper)
 
 
+def _timed_launch(runner, acc: dict) -> None:
+    """`launch` and the read-back call it returns, timed apart."""
+    launch = runner.launch
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        collect = launch(*args, **kwargs)
+        acc["launch"].append(time.perf_counter() - t)
+
+        def timed_collect():
+            t = time.perf_counter()
+            out = collect()
+            acc["read-back"].append(time.perf_counter() - t)
+            return out
+
+        return timed_collect
+
+    runner.launch = wrapper
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, default=64)
@@ -40,6 +62,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--kv", nargs="+", default=["auto", "turboquant_4bit_nc"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--disable-async-output-proc", action="store_true")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     loaded = load_model(None, dtype, torch.device(args.device))
@@ -49,12 +72,13 @@ def main() -> None:
             loaded=loaded, device=args.device, dtype=str(dtype).removeprefix("torch."),
             max_model_len=n + args.new_tokens + 16,
             max_num_seqs=b, kv_cache_dtype=kv, max_num_batched_tokens=b * n,
+            disable_async_output_proc=args.disable_async_output_proc,
         )  # fmt: skip
         eng = llm.engine
         acc: dict[str, list[float]] = collections.defaultdict(list)
         _timed(eng.scheduler, "schedule", acc, "schedule")
         _timed(eng.runner.builder, "build", acc, "input build")
-        _timed(eng.runner, "execute", acc, "execute")
+        _timed_launch(eng.runner, acc)
         _timed(eng.scheduler, "update", acc, "update")
         _timed(eng.processor, "process", acc, "output processing")
         vocab = eng.model_config.vocab_size

@@ -36,6 +36,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--cuda-graph-sizes", type=int, nargs="+", default=None, help="decode batch sizes captured as CUDA graphs"
     )
     p.add_argument(
+        "--disable-async-output-proc",
+        action="store_true",
+        help="CUDA: process each step's outputs after it instead of while the next step runs",
+    )
+    p.add_argument(
         "--num-window-snapshots",
         type=int,
         default=None,

@@ -43,6 +43,10 @@ class EngineArgs:
     # 512)); a step is padded to the next captured size. enforce_eager turns them off (vLLM's flag).
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    # CUDA: a step's outputs (detokenization, stop strings, RequestOutputs) are processed while the
+    # next step runs on the device, so step() returns them one step later (vLLM's
+    # --disable-async-output-proc turns it off). On CPU there is nothing to overlap: off.
+    disable_async_output_proc: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -161,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[False],
         help="CUDA: decode without CUDA graphs (true), with (false), or both side by side (false true)",
     )
+    p.add_argument(
+        "--disable-async-output-proc",
+        nargs="+",
+        type=lambda s: {"true": True, "false": False}[s.lower()],
+        default=[False],
+        help="CUDA: process outputs after each step (true), while the next one runs (false), or both (false true)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument(
         "--repeats", type=int, default=1, help="run every side this many times, interleaved; report each one's median"
@@ -174,16 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     rows = []
     for b in args.batch:
-        configs = [(kv, e) for kv in args.kv_cache_dtype for e in args.enforce_eager]
-        runs: dict[tuple[str, bool], list[float]] = {c: [] for c in configs}
+        configs = [
+            (kv, e, a) for kv in args.kv_cache_dtype for e in args.enforce_eager for a in args.disable_async_output_proc
+        ]
+        runs: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in configs}
         refs: list[float] = []
         for r in range(max(1, args.repeats)):
             # Every repeat runs each configuration once, in an order rotated by one, so drift of the
             # machine (other load, clocks) and the position in the sequence spread over all of them.
             if hf is not None:
                 refs.append(bench_transformers(hf, loaded[2], b, args.new_tokens, device))
-            for kv, eager in configs[r % len(configs) :] + configs[: r % len(configs)]:
-                runs[kv, eager].append(
+            for kv, eager, sync_out in configs[r % len(configs) :] + configs[: r % len(configs)]:
+                runs[kv, eager, sync_out].append(
                     bench_tqserve(
                         loaded,
                         b,
@@ -193,21 +202,25 @@ def main(argv: list[str] | None = None) -> int:
                         args.prompt_len,
                         kv_cache_dtype=kv,
                         enforce_eager=eager,
+                        disable_async_output_proc=sync_out,
                     )
                 )
         ref = statistics.median(refs) if refs else None
-        for (kv, eager), ours_all in runs.items():
+        for (kv, eager, sync_out), ours_all in runs.items():
             ours = statistics.median(ours_all)
             row = {
                 "batch": b,
                 "prompt_len": args.prompt_len,
                 "kv_cache_dtype": kv,
                 "enforce_eager": eager,
+                "disable_async_output_proc": sync_out,
                 "tqserve_tok_s": ours,
             }
             if len(ours_all) > 1:
                 row.update(tqserve_runs=ours_all, transformers_runs=refs)
             mode = "eager" if eager or device.type != "cuda" else "graphs"
+            if device.type == "cuda":
+                mode += " sync-out" if sync_out else " async-out"
             line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} {mode:6s} tqserve {ours:9.1f} tok/s"
             if len(ours_all) > 1:
                 line += f" (runs {', '.join(f'{x:.1f}' for x in ours_all)})"

@@ -10,6 +10,7 @@ import torch
 
 from tqserve.config import EngineArgs
 from tqserve.core.kv_cache_manager import CacheLayout, KVCacheManager
+from tqserve.core.outputs import RunnerOutput
 from tqserve.core.scheduler import Scheduler, SchedulerConfig
 from tqserve.engine.memory import CapacityReport, page_bytes_per_token
 from tqserve.engine.model_runner import ModelRunner
@@ -113,6 +114,9 @@ class LLMEngine:
             self.kv,
         )
         self.processor = OutputProcessor(tokenizer)
+        # Process step N's outputs while step N + 1 runs on the device (`step`); tests switch it on CPU.
+        self.async_output_proc = device.type == "cuda" and not args.disable_async_output_proc
+        self._pending: tuple[list[Request], RunnerOutput] | None = None
         self.eos_ids = frozenset(tokenizer.stop_token_ids)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -175,13 +179,19 @@ class LLMEngine:
         return outs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and update one step. With `async_output_proc` the outputs of the step before
+        are processed while this one runs on the device and returned now; this step's come with the
+        next call (which, once nothing is left to schedule, only processes them). A request that a
+        stop string ends in those outputs has been scheduled once more meanwhile: that step's token
+        is dropped (`Scheduler.update` skips finished requests) and its pages were freed only after
+        the step was enqueued, on the same stream, so nothing later reads them before it is done."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return self._process_pending()
         now = time.monotonic()
         for s in sched.requests:
             req = self.scheduler.requests[s.request_id]
@@ -189,7 +199,9 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             if s.start_pos < req.num_prompt_tokens:
                 self.num_prompt_tokens += min(len(s.token_ids), req.num_prompt_tokens - s.start_pos)
-        result = self.runner.execute(sched, self.scheduler.requests)
+        collect = self.runner.launch(sched, self.scheduler.requests)
+        outs = self._process_pending()  # overlaps the device work just launched
+        result = collect()
         changed = self.scheduler.update(sched, result)
         now = time.monotonic()
         for req in changed:
@@ -198,6 +210,17 @@ class LLMEngine:
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
                 req.metrics.last_token_time = now
+        self._pending = (changed, result)
+        if not self.async_output_proc:
+            outs += self._process_pending()
+        return outs
+
+    def _process_pending(self) -> list[RequestOutput]:
+        """Outputs of the last updated step: detokenize, apply stop strings, build RequestOutputs."""
+        if self._pending is None:
+            return []
+        changed, result = self._pending
+        self._pending = None
         outs, stop_now = self.processor.process(changed, result.logprobs, result.prompt_logprobs)
         for rid in stop_now:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)

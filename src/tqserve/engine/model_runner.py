@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -10,7 +12,7 @@ from tqserve.attention.reference import KVCacheStore, ReferenceBackend
 from tqserve.core.outputs import RunnerOutput, SchedulerOutput
 from tqserve.engine.input_batch import InputBatchBuilder, build_sampling_batch
 from tqserve.engine.memory import plan_num_blocks
-from tqserve.engine.sampler import Sampler, prompt_logprobs
+from tqserve.engine.sampler import Sampler, prompt_logprobs, read_back
 from tqserve.kvquant.base import ExactFormat, LayerKVFormat
 from tqserve.layers.attention import ForwardContext
 from tqserve.request import Request
@@ -232,8 +234,17 @@ class ModelRunner:
         return ctx
 
     # ---- one step ----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
+        """One step: `launch`, then its read-back."""
+        return self.launch(sched, requests)()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, requests: dict[str, Request]) -> Callable[[], RunnerOutput]:
+        """Enqueue one step's device work (inputs, forward, logits, sampling) without waiting for it.
+        The returned call reads the results back (the step's one device -> host sync) and must be
+        made before the next launch: the step's inputs and graph outputs live in buffers the next
+        step reuses. Between the two the host is free: the engine processes the previous step's
+        outputs there (`LLMEngine.step`)."""
         size = self.graphs.size_for(sched) if self.graphs is not None else 0
         inputs = self.graphs.build(self.builder, sched, size) if size else self.builder.build(sched)
         bs = self.config.block_size
@@ -253,17 +264,25 @@ class ModelRunner:
         if self.state_pool is not None and sched.state_saves:
             src, dst = zip(*sched.state_saves)
             self.state_pool.copy_slots(self._ids(src), self._ids(dst))
-        out = RunnerOutput()
+        sampled = None
         if inputs.sample_request_ids:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
             reqs = [requests[r] for r in inputs.sample_request_ids]
             gens = [self._generator(r) for r in reqs]
             batch, counts = build_sampling_batch(reqs, gens, self.vocab_size, self.device)
-            result = self.sampler(logits, batch, counts)
-            for rid, tok, lp in zip(inputs.sample_request_ids, result.token_ids, result.logprobs):
+            sampled = (self.sampler.sample(logits, batch), counts)
+        return partial(self._collect, inputs, hidden, sampled, requests)
+
+    @torch.inference_mode()
+    def _collect(self, inputs, hidden: torch.Tensor, sampled, requests: dict[str, Request]) -> RunnerOutput:
+        out = RunnerOutput()
+        if sampled is not None:
+            (tokens, lp), counts = sampled
+            result = read_back(tokens, lp, counts)
+            for rid, tok, lp_row in zip(inputs.sample_request_ids, result.token_ids, result.logprobs):
                 out.sampled[rid] = tok
-                if lp is not None:
-                    out.logprobs[rid] = lp
+                if lp_row is not None:
+                    out.logprobs[rid] = lp_row
         for rid, row, n, start_pos in inputs.prompt_rows:
             req = requests[rid]
             sp = req.sampling_params

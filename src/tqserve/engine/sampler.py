@@ -48,6 +48,11 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch, logprob_counts: list[int]) -> SampleResult:
+        return read_back(*self.sample(logits, b), logprob_counts)
+
+    def sample(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, tuple | None]:
+        """The sampled tokens and logprob tensors, on the device: nothing waits for them here
+        (`read_back` does, once per step)."""
         raw = logits
         logits = self._apply_penalties(logits.clone(), b)
         if b.all_greedy:
@@ -57,7 +62,7 @@ class Sampler:
         lp = None
         if b.max_logprobs >= 0:
             lp = _gather_logprobs(torch.log_softmax(raw, dim=-1), tokens, b.max_logprobs)
-        return _read_back(tokens, lp, logprob_counts)
+        return tokens, lp
 
     def _apply_penalties(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         if b.repetition is not None:
@@ -113,7 +118,8 @@ def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int):
     return chosen, rank, top_vals, top_ids
 
 
-def _read_back(tokens: torch.Tensor, lp, counts: list[int]) -> SampleResult:
+def read_back(tokens: torch.Tensor, lp, counts: list[int]) -> SampleResult:
+    """Host lists of `Sampler.sample`'s tensors: the device -> host sync of a step."""
     token_ids = tokens.tolist()
     if lp is None:
         return SampleResult(token_ids, [None] * len(token_ids))

@@ -89,6 +89,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--cuda-graph-sizes", type=int, nargs="+", default=None, help="decode batch sizes captured as CUDA graphs"
     )
     eng.add_argument(
+        "--disable-async-output-proc",
+        action="store_true",
+        default=None,
+        help="CUDA: process each step's outputs after it instead of while the next step runs",
+    )
+    eng.add_argument(
         "--num-window-snapshots",
         type=int,
         default=None,
@@ -133,6 +139,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kernel_warmup": args.kernel_warmup,
         "enforce_eager": args.enforce_eager,
         "cuda_graph_sizes": args.cuda_graph_sizes,
+        "disable_async_output_proc": args.disable_async_output_proc,
         "num_window_snapshots": args.num_window_snapshots,
         "chat_template": resolve_chat_template(args.chat_template),
         "served_model_name": args.served_model_name[0] if args.served_model_name else None,
