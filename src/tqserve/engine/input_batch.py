@@ -219,16 +219,18 @@ def build_sampling_batch(
     def dev(values, dtype):
         return torch.as_tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)
 
+    all_greedy = all(t == 0.0 for t in temperature)
     b = SamplingBatch(
-        temperature=dev(temperature, torch.float32),
-        top_k=dev(top_k, torch.int64),
-        top_p=dev(top_p, torch.float32),
-        min_p=dev(min_p, torch.float32),
-        all_greedy=all(t == 0.0 for t in temperature),
+        all_greedy=all_greedy,
         any_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p) or any(m > 0 for m in min_p),
         generators=generators,
         max_logprobs=max(counts),
     )
+    if not all_greedy:  # an argmax needs none of them: four host -> device copies fewer per greedy step
+        b.temperature = dev(temperature, torch.float32)
+        b.top_k = dev(top_k, torch.int64)
+        b.top_p = dev(top_p, torch.float32)
+        b.min_p = dev(min_p, torch.float32)
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
         n = len(requests)
         out_counts = np.zeros((n, vocab_size), dtype=np.float32)

@@ -16,13 +16,14 @@ NEG_INF = float("-inf")
 class SamplingBatch:
     """Per-row sampling inputs for one step, already on the device."""
 
-    temperature: torch.Tensor  # [N] float32 (0 = greedy)
-    top_k: torch.Tensor  # [N] int64 (0 = off)
-    top_p: torch.Tensor  # [N] float32
-    min_p: torch.Tensor  # [N] float32
     all_greedy: bool
     any_filter: bool  # some row uses top-k / top-p / min-p
     generators: list[torch.Generator | None]  # per row; None uses the engine generator
+    # Temperatures and filters; None when every row is greedy (the argmax needs none of them)
+    temperature: torch.Tensor | None = None  # [N] float32 (0 = greedy)
+    top_k: torch.Tensor | None = None  # [N] int64 (0 = off)
+    top_p: torch.Tensor | None = None  # [N] float32
+    min_p: torch.Tensor | None = None  # [N] float32
     # Penalties (None when no row uses them)
     presence: torch.Tensor | None = None  # [N]
     frequency: torch.Tensor | None = None  # [N]
@@ -54,7 +55,8 @@ class Sampler:
         """The sampled tokens and logprob tensors, on the device: nothing waits for them here
         (`read_back` does, once per step)."""
         raw = logits
-        logits = self._apply_penalties(logits.clone(), b)
+        if b.repetition is not None or b.frequency is not None or b.ban_rows is not None:
+            logits = self._apply_penalties(logits.clone(), b)  # `raw` stays for the logprobs
         if b.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
