@@ -91,7 +91,12 @@ def build_engine() -> Any:
     from tqserve.config import EngineArgs
     from tqserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=40))
+    engine = LLMEngine.from_engine_args(EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=40))
+    # The server on a GPU processes each step's outputs while the next step runs (off on the CPU, where
+    # nothing overlaps): these tests serve that way too, so streams, aborts and disconnects are checked
+    # with outputs arriving one step late.
+    engine.async_output_proc = True
+    return engine
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
