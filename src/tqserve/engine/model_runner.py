@@ -234,10 +234,6 @@ class ModelRunner:
         return ctx
 
     # ---- one step ----------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
-        """One step: `launch`, then its read-back."""
-        return self.launch(sched, requests)()
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, requests: dict[str, Request]) -> Callable[[], RunnerOutput]:
         """Enqueue one step's device work (inputs, forward, logits, sampling) without waiting for it.
