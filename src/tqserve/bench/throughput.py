@@ -142,6 +142,10 @@ def load_hf_reference(dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
+def _bool(text: str) -> bool:
+    return {"true": True, "false": False}[text.lower()]
+
+
 def main(argv: list[str] | None = None) -> int:
     from tqserve.engine.llm_engine import resolve_device, resolve_dtype
     from tqserve.models.loader import load_model
@@ -154,20 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
     p.add_argument("--prompt-len", type=int, default=0, help="synthetic prompts of this many tokens; time decode only")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument(
-        "--enforce-eager",
-        nargs="+",
-        type=lambda s: {"true": True, "false": False}[s.lower()],
-        default=[False],
-        help="CUDA: decode without CUDA graphs (true), with (false), or both side by side (false true)",
-    )
-    p.add_argument(
-        "--disable-async-output-proc",
-        nargs="+",
-        type=lambda s: {"true": True, "false": False}[s.lower()],
-        default=[False],
-        help="CUDA: process outputs after each step (true), while the next one runs (false), or both (false true)",
-    )
+    # true / false lists: one side or both, timed side by side
+    for flag, text in (
+        ("--enforce-eager", "CUDA: decode without CUDA graphs (true), with (false)"),
+        ("--disable-async-output-proc", "CUDA: process outputs after each step (true), during the next one (false)"),
+    ):
+        p.add_argument(flag, nargs="+", type=_bool, default=[False], help=text + ", or both (false true)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument(
         "--repeats", type=int, default=1, help="run every side this many times, interleaved; report each one's median"
@@ -179,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(None, dtype, device)
     hf = None if args.skip_transformers else load_hf_reference(dtype, device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    if device.type != "cuda":
+        args.disable_async_output_proc = [True]  # the engine overlaps outputs only with a GPU's work
     rows = []
     for b in args.batch:
         configs = [
@@ -219,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(ours_all) > 1:
                 row.update(tqserve_runs=ours_all, transformers_runs=refs)
             mode = "eager" if eager or device.type != "cuda" else "graphs"
-            if device.type == "cuda":
-                mode += " sync-out" if sync_out else " async-out"
+            mode += " sync-out" if sync_out else " async-out"
             line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} {mode:6s} tqserve {ours:9.1f} tok/s"
             if len(ours_all) > 1:
                 line += f" (runs {', '.join(f'{x:.1f}' for x in ours_all)})"
