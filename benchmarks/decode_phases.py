@@ -4,8 +4,9 @@ PYTHONPATH=src python benchmarks/decode_phases.py --batch 64 --prompt-len 4096 -
 
 Times (medians over the timed steps, ms) the engine's own calls: schedule, launch (the input build, then
 the forward, logits and sampling enqueued), the read-back that waits for the GPU, scheduler update and
-output processing (with asynchronous output processing, the CUDA default, it runs between launch and
-read-back: overlapped with the device, and the read-back waits less).
+output processing. With asynchronous output processing and async scheduling (the CUDA defaults) the
+output processing and the next step's schedule and launch run while a step is on the device, and the
+read-back waits less.
 One engine per KV preset, built and freed in turn in one process, as `tqserve bench throughput` builds them.
 """
 
@@ -36,13 +37,14 @@ def _timed(obj, name: str, acc: dict, key: str) -> None:
 
 
 def _timed_launch(runner, acc: dict) -> None:
-    """`launch` and the read-back call it returns, timed apart."""
+    """`launch` and the read-back (`StepHandle.collect`) of the step it returns, timed apart."""
     launch = runner.launch
 
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
-        collect = launch(*args, **kwargs)
+        handle = launch(*args, **kwargs)
         acc["launch"].append(time.perf_counter() - t)
+        collect = handle.collect
 
         def timed_collect():
             t = time.perf_counter()
@@ -50,7 +52,8 @@ def _timed_launch(runner, acc: dict) -> None:
             acc["read-back"].append(time.perf_counter() - t)
             return out
 
-        return timed_collect
+        handle.collect = timed_collect
+        return handle
 
     runner.launch = wrapper
 
@@ -63,6 +66,7 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", default=["auto", "turboquant_4bit_nc"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--disable-async-output-proc", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     loaded = load_model(None, dtype, torch.device(args.device))
@@ -73,6 +77,7 @@ def main() -> None:
             max_model_len=n + args.new_tokens + 16,
             max_num_seqs=b, kv_cache_dtype=kv, max_num_batched_tokens=b * n,
             disable_async_output_proc=args.disable_async_output_proc,
+            async_scheduling=args.async_scheduling,
         )  # fmt: skip
         eng = llm.engine
         acc: dict[str, list[float]] = collections.defaultdict(list)

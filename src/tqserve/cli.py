@@ -36,6 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--cuda-graph-sizes", type=int, nargs="+", default=None, help="decode batch sizes captured as CUDA graphs"
     )
     p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA: launch each step before the previous one is read back",
+    )
+    p.add_argument(
         "--disable-async-output-proc",
         action="store_true",
         help="CUDA: process each step's outputs after it instead of while the next step runs",

@@ -47,6 +47,10 @@ class EngineArgs:
     # next step runs on the device, so step() returns them one step later (vLLM's
     # --disable-async-output-proc turns it off). On CPU there is nothing to overlap: off.
     disable_async_output_proc: bool = False
+    # CUDA: schedule and launch step N + 1 before step N's tokens are read back; its decode tokens are
+    # written on the device from step N's samples, so the GPU does not wait for the host between
+    # steps (vLLM's --async-scheduling). Steps where a request uses penalties run one at a time.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -48,6 +48,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # Tokens sampled by a launched step whose ids are not read back yet (0 or 1; async scheduling
+    # schedules the next step before then, feeding them on the device: `Scheduler.schedule`).
+    num_pending_output: int = 0
     # Prefix-cache hit reported to the user (tokens served from cache at first admission).
     num_cached_tokens: int = -1
     # Tokens below this position already sit in shared pages: recomputation skips page writes.

@@ -97,6 +97,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Presence / frequency / repetition penalties: sampling counts the output tokens on the host."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def clone_for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n samples: one sequence each, seeds kept distinct."""
         import dataclasses

@@ -1,8 +1,11 @@
-"""Asynchronous output processing (`LLMEngine.async_output_proc`): step N's outputs are processed while
-step N + 1 runs, and returned one step later. Every request must end exactly as without it (tokens,
-text, finish and stop reasons, logprobs), each request's stream of outputs must be the same sequence,
-and a request that a stop string ends must not gain the token of the step that was already running.
-The switch is on for CUDA engines; here it is forced on the CPU, where the same code runs."""
+"""Asynchronous output processing (`LLMEngine.async_output_proc`: step N's outputs are processed while
+step N + 1 runs and returned one step later) and async scheduling (`LLMEngine.async_scheduling`: step
+N + 1 is scheduled and launched before step N is read back, its decode tokens written on the device
+from step N's samples). With either or both, every request must end exactly as on the plain engine
+(tokens, text, finish and stop reasons, logprobs), each request's stream of outputs must be the same
+sequence, and a request that a stop string, EOS or a stop id ends must not gain the token of the step
+that was already running. Both switches are on for CUDA engines; here they are forced on the CPU,
+where the same code runs (the device copies of deferred tokens included)."""
 
 from __future__ import annotations
 
@@ -10,19 +13,21 @@ import pytest
 
 from tqserve import LLM, SamplingParams
 
+# (async output processing, async scheduling)
+MODES = {"async-output": (True, False), "async-scheduling": (False, True), "both": (True, True)}
 
-def _llm(loaded, async_on: bool, **kw) -> LLM:
+
+def _llm(loaded, mode: tuple[bool, bool], **kw) -> LLM:
     llm = LLM(loaded=loaded, device="cpu", dtype="float32", max_model_len=256, **kw)
-    llm.engine.async_output_proc = async_on
+    llm.engine.async_output_proc, llm.engine.async_scheduling = mode
     return llm
 
 
-def _run(llm: LLM, requests: list[tuple[str, str, SamplingParams]], abort_at: dict[str, int] | None = None):
+def _run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams]], abort_at: dict[str, int] | None = None):
     """Add the requests, step until done; returns (per-request list of outputs in order, steps)."""
     eng = llm.engine
-    tok = llm.get_tokenizer()
-    for rid, prompt, params in requests:
-        eng.add_request(rid, tok.encode(prompt), params, prompt=prompt)
+    for rid, ids, params in requests:
+        eng.add_request(rid, ids, params, prompt=rid)
     streams: dict[str, list] = {rid: [] for rid, _, _ in requests}
     steps = 0
     while eng.has_unfinished_requests():
@@ -34,59 +39,119 @@ def _run(llm: LLM, requests: list[tuple[str, str, SamplingParams]], abort_at: di
                 for out in eng.abort_request([rid]):
                     streams[out.request_id].append(out)
         assert steps < 500
+    assert eng.kv.pool.num_free == eng.kv.pool.num_blocks - 1  # every page back (prefix cache included)
+    assert not any(r.num_pending_output for r in eng.scheduler.requests.values())
     return streams, steps
 
 
 def _final(o) -> list[tuple]:
-    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs]
-
-
-def _requests(stop: str) -> list[tuple[str, str, SamplingParams]]:
-    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    """What must match exactly. Logprob values are compared apart (`_logprobs_close`): async scheduling
+    changes which requests share a step (a finished request rides along once), and float32 GEMMs of
+    other shapes round differently in the last bits; the tokens do not change."""
     return [
-        ("plain", "The capital of France is", greedy),
-        ("short", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=3)),
-        ("stop", "Write a list of fruits:", SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])),
-        ("logprobs", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=7, logprobs=3)),
-        ("seeded", "The weather today", SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=9)),
+        (
+            c.token_ids,
+            c.text,
+            c.finish_reason,
+            c.stop_reason,
+            None if c.logprobs is None else [sorted(e) for e in c.logprobs],
+        )
+        for c in o.outputs
     ]
 
 
-def _stop_string(loaded) -> str:
+def _states(stream: list) -> list:
+    states = []
+    for o in stream:
+        f = _final(o)
+        if not states or states[-1] != f:
+            states.append(f)
+    return states
+
+
+def _logprobs_close(a, b) -> bool:
+    for ca, cb in zip(a.outputs, b.outputs):
+        for ea, eb in zip(ca.logprobs or [], cb.logprobs or []):
+            if any(abs(ea[t].logprob - eb[t].logprob) > 1e-4 for t in ea):
+                return False
+    return True
+
+
+def _requests(tok, stop: str) -> list[tuple[str, list[int], SamplingParams]]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+
+    def chat(text: str) -> list[int]:
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+
+    return [
+        ("plain", tok.encode("The capital of France is"), greedy),
+        ("short", tok.encode("Once upon a time"), SamplingParams(temperature=0.0, max_tokens=3)),
+        ("stop", tok.encode("Write a list of fruits:"), SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])),
+        ("logprobs", tok.encode("Hello, my name is"), SamplingParams(temperature=0.0, max_tokens=7, logprobs=3)),
+        ("seeded", tok.encode("The weather today"), SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=9)),
+        # chat answers end with EOS before max_tokens; min_tokens holds EOS off for a while
+        ("eos", chat("Say hi."), SamplingParams(temperature=0.0, max_tokens=40)),
+        ("eos-min", chat("Say hi."), SamplingParams(temperature=0.0, max_tokens=40, min_tokens=8)),
+        ("stop-id", tok.encode("1, 2, 3,"), SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[28])),
+        # penalties count output tokens on the host: those steps are not scheduled ahead
+        ("penalty", tok.encode("Repeat after me: la la la"), SamplingParams(temperature=0.0, max_tokens=10,
+                                                                           repetition_penalty=1.3)),
+        ("long", tok.encode("Tell me a story about a dragon. " * 6), SamplingParams(temperature=0.0, max_tokens=16)),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stop_string(smollm_loaded) -> str:
     """A stop string the greedy continuation of the fruit prompt reaches after a few tokens."""
-    llm = _llm(loaded, False)
+    llm = _llm(smollm_loaded, (False, False))
     text = llm.generate(["Write a list of fruits:"], SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0].text
     assert len(text) > 30
     return text[12:16]
 
 
-def test_async_outputs_equal_sync(smollm_loaded):
-    stop = _stop_string(smollm_loaded)
-    sync, sync_steps = _run(_llm(smollm_loaded, False), _requests(stop))
-    asyn, async_steps = _run(_llm(smollm_loaded, True), _requests(stop))
-    assert sync.keys() == asyn.keys()
-    for rid in sync:
-        a, b = sync[rid], asyn[rid]
-        assert b[-1].finished and a[-1].finished
+@pytest.fixture(scope="module")
+def plain_run(smollm_loaded, stop_string):
+    # a small token budget: the long prompt prefills in chunks while the others decode
+    llm = _llm(smollm_loaded, (False, False), max_num_batched_tokens=24)
+    return _run(llm, _requests(llm.get_tokenizer(), stop_string))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_outputs_equal_plain_engine(smollm_loaded, stop_string, plain_run, mode):
+    plain, plain_steps = plain_run
+    llm = _llm(smollm_loaded, MODES[mode], max_num_batched_tokens=24)
+    got, steps = _run(llm, _requests(llm.get_tokenizer(), stop_string))
+    assert plain.keys() == got.keys()
+    for rid in plain:
+        a, b = plain[rid], got[rid]
+        assert a[-1].finished and b[-1].finished
         assert _final(a[-1]) == _final(b[-1]), rid
-        # the same stream: one output per step, in the same order (the async one a step later)
-        assert [_final(o) for o in a] == [_final(o) for o in b], rid
-    s = sync["stop"][-1].outputs[0]
-    assert s.finish_reason == "stop" and s.stop_reason == stop and stop not in s.text
-    assert len(s.token_ids) < 24  # the stop string ended it, not max_tokens
-    # the last async step only processes the outputs of the one before it
-    assert async_steps == sync_steps + 1
+        assert _logprobs_close(a[-1], b[-1]), rid
+        # the same stream of states, in the same order (one output per step; with async scheduling a
+        # long prompt's chunks may split differently, a request about to finish taking a token of the
+        # budget once more, so the outputs of prefill chunks without a new token are not counted)
+        assert _states(a) == _states(b), rid
+    # the cases mean what they say
+    outs = {rid: plain[rid][-1].outputs[0] for rid in plain}
+    assert outs["stop"].finish_reason == "stop" and outs["stop"].stop_reason == stop_string
+    assert outs["eos"].finish_reason == "stop" and len(outs["eos"].token_ids) < 40
+    assert len(outs["eos-min"].token_ids) >= 8
+    assert outs["stop-id"].stop_reason == 28 and len(outs["stop-id"].token_ids) < 30
+    if mode == "async-output":
+        assert steps == plain_steps + 1  # the last call only processes the outputs of the one before
+    if MODES[mode][1]:
+        assert llm.engine.runner.builder.deferred.np.any(), "no step ran with deferred tokens"
 
 
-def test_stopped_request_leaves_the_batch(smollm_loaded):
+@pytest.mark.parametrize("mode", ["both"])
+def test_stopped_request_leaves_the_batch(smollm_loaded, stop_string, mode):
     """The step running when a stop string is found still computes the stopped request; its token is
     dropped and the request is no longer scheduled or held by the scheduler."""
-    stop = _stop_string(smollm_loaded)
-    llm = _llm(smollm_loaded, True)
+    llm = _llm(smollm_loaded, MODES[mode])
     eng = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_string])
     eng.add_request("stop", llm.get_tokenizer().encode("Write a list of fruits:"), params)
-    eng.add_request("long", llm.get_tokenizer().encode("Count to twenty: 1, 2,"), SamplingParams(max_tokens=40))
+    eng.add_request("long", llm.get_tokenizer().encode("Count to twenty: 1, 2,"), SamplingParams(max_tokens=20))
     done = None
     while done is None:
         for out in eng.step():
@@ -99,35 +164,64 @@ def test_stopped_request_leaves_the_batch(smollm_loaded):
         for out in eng.step():
             assert out.request_id != "stop"
     assert len(done.outputs[0].token_ids) == n_tokens
-    assert eng.kv.pool.num_free == eng.kv.pool.num_blocks - 1  # every page back (prefix cache included)
+    assert eng.kv.pool.num_free == eng.kv.pool.num_blocks - 1
 
 
-def test_async_abort(smollm_loaded):
-    """An abort between steps ends the request at once; the others finish as without the switch."""
-    stop = _stop_string(smollm_loaded)
+@pytest.mark.parametrize("mode", ["both"])
+def test_abort(smollm_loaded, stop_string, mode):
+    """An abort between steps ends the request at once; the others finish as on the plain engine."""
     results = []
-    for async_on in (False, True):
-        streams, _ = _run(_llm(smollm_loaded, async_on), _requests(stop), abort_at={"plain": 4})
+    for m in ((False, False), MODES[mode]):
+        llm = _llm(smollm_loaded, m)
+        streams, _ = _run(llm, _requests(llm.get_tokenizer(), stop_string), abort_at={"plain": 4, "seeded": 2})
         results.append(streams)
-    sync, asyn = results
-    for rid in sync:
-        if rid == "plain":
-            for s in (sync, asyn):
-                assert s[rid][-1].finished and s[rid][-1].outputs[0].finish_reason == "abort"
+    plain, got = results
+    for rid in plain:
+        if rid in ("plain", "seeded"):
+            for s in (plain, got):
+                assert s[rid][-1].finished and {o.finish_reason for o in s[rid][-1].outputs} == {"abort"}
                 assert len([o for o in s[rid] if o.finished]) == 1
             continue
-        assert _final(sync[rid][-1]) == _final(asyn[rid][-1]), rid
+        assert _final(plain[rid][-1]) == _final(got[rid][-1]), rid
 
 
-@pytest.mark.parametrize("blocks", [24])
-def test_async_preemption(smollm_loaded, blocks):
-    """Few pages: requests are preempted and recomputed; outputs equal the synchronous engine's."""
+@pytest.mark.parametrize("mode", ["both"])
+def test_preemption_and_prefix_hits(smollm_loaded, mode):
+    """Few pages: requests are preempted (some while their token is being sampled) and recomputed; a
+    second round hits the prefix cache. Outputs equal the plain engine's."""
     prompts = [f"Story number {i}: once upon a time in a land far away" for i in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=40)
+    params = SamplingParams(temperature=0.0, max_tokens=28)
     outs = []
-    for async_on in (False, True):
-        llm = _llm(smollm_loaded, async_on, num_gpu_blocks_override=blocks, max_num_seqs=8)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        preempted = llm.engine.scheduler.num_preemptions
-        assert preempted > 0, "the case must preempt"
+    for m in ((False, False), MODES[mode]):
+        llm = _llm(smollm_loaded, m, num_gpu_blocks_override=24, max_num_seqs=8)
+        rounds = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
+        assert rounds[0] == rounds[1]
+        outs.append(rounds[0])
+        assert llm.engine.scheduler.num_preemptions > 0, "the case must preempt"
+        assert llm.engine.kv.prefix_hits > 0
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+def test_gpu_async_equals_plain():
+    """On the GPU (CUDA graphs, pinned read-backs, deferred tokens copied on the device): the float32
+    model's greedy tokens with both switches equal the plain engine's. Requests end by length only,
+    which the scheduler predicts, so both engines run the same batches and every token must match."""
+    import torch
+
+    from tqserve.models.loader import load_model
+
+    loaded = load_model(None, torch.float32, torch.device("cuda"))
+    tok = loaded[2]
+    prompts = [tok.encode(f"Item {i}: the history of the number {i * 7} is") for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(12)]
+    outs = []
+    for mode in ((False, False), (True, True)):
+        llm = LLM(loaded=loaded, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16)
+        llm.engine.async_output_proc, llm.engine.async_scheduling = mode
+        outs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
+        if mode[1]:
+            assert llm.engine.runner.builder.deferred.host.any()
+        del llm
     assert outs[0] == outs[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -100,14 +101,15 @@ def _decode_only(llm, prompts, params, dev, rounds: int = 2) -> float:
             raise RuntimeError(f"the batch did not start decoding together (output tokens so far: {sorted(started)})")
         _sync(dev)
         t = time.perf_counter()
-        tokens = 0
+        # tokens the engine appends from here on, less those of a step already launched (async
+        # scheduling: the sync above waited for it); a request's last step may run once more with its
+        # token dropped, which the engine does not count either
+        first = eng.num_generation_tokens + eng.num_samples_in_flight
         with _GCTimer() as gct:
             while eng.has_unfinished_requests():
-                sched_before = len(eng.scheduler.running)
                 eng.step()
-                tokens += sched_before
             _sync(dev)
-        rate = tokens / (time.perf_counter() - t)
+        rate = (eng.num_generation_tokens - first) / (time.perf_counter() - t)
     print(f"  timed steps: garbage collection {gct.count} runs per generation, {sum(gct.ms):.1f} ms", flush=True)
     return rate
 
@@ -162,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     for flag, text in (
         ("--enforce-eager", "CUDA: decode without CUDA graphs (true), with (false)"),
         ("--disable-async-output-proc", "CUDA: process outputs after each step (true), during the next one (false)"),
+        ("--async-scheduling", "CUDA: launch each step before the previous one is read back (true), after (false)"),
     ):
-        p.add_argument(flag, nargs="+", type=_bool, default=[False], help=text + ", or both (false true)")
+        default = [flag == "--async-scheduling"]
+        p.add_argument(flag, nargs="+", type=_bool, default=default, help=text + ", or both (false true)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument(
         "--repeats", type=int, default=1, help="run every side this many times, interleaved; report each one's median"
@@ -175,22 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(None, dtype, device)
     hf = None if args.skip_transformers else load_hf_reference(dtype, device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    if device.type != "cuda":
-        args.disable_async_output_proc = [True]  # the engine overlaps outputs only with a GPU's work
+    if device.type != "cuda":  # the engine overlaps host and device work only with a GPU
+        args.disable_async_output_proc, args.async_scheduling = [True], [False]
     rows = []
     for b in args.batch:
-        configs = [
-            (kv, e, a) for kv in args.kv_cache_dtype for e in args.enforce_eager for a in args.disable_async_output_proc
-        ]
-        runs: dict[tuple[str, bool, bool], list[float]] = {c: [] for c in configs}
+        sides = (args.kv_cache_dtype, args.enforce_eager, args.disable_async_output_proc, args.async_scheduling)
+        configs = list(itertools.product(*sides))
+        runs: dict[tuple[str, bool, bool, bool], list[float]] = {c: [] for c in configs}
         refs: list[float] = []
         for r in range(max(1, args.repeats)):
             # Every repeat runs each configuration once, in an order rotated by one, so drift of the
             # machine (other load, clocks) and the position in the sequence spread over all of them.
             if hf is not None:
                 refs.append(bench_transformers(hf, loaded[2], b, args.new_tokens, device))
-            for kv, eager, sync_out in configs[r % len(configs) :] + configs[: r % len(configs)]:
-                runs[kv, eager, sync_out].append(
+            for kv, eager, sync_out, ahead in configs[r % len(configs) :] + configs[: r % len(configs)]:
+                runs[kv, eager, sync_out, ahead].append(
                     bench_tqserve(
                         loaded,
                         b,
@@ -201,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                         kv_cache_dtype=kv,
                         enforce_eager=eager,
                         disable_async_output_proc=sync_out,
+                        async_scheduling=ahead,
                     )
                 )
         ref = statistics.median(refs) if refs else None
-        for (kv, eager, sync_out), ours_all in runs.items():
+        for (kv, eager, sync_out, ahead), ours_all in runs.items():
             ours = statistics.median(ours_all)
             row = {
                 "batch": b,
@@ -212,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
                 "kv_cache_dtype": kv,
                 "enforce_eager": eager,
                 "disable_async_output_proc": sync_out,
+                "async_scheduling": ahead,
                 "tqserve_tok_s": ours,
             }
             if len(ours_all) > 1:
                 row.update(tqserve_runs=ours_all, transformers_runs=refs)
             mode = "eager" if eager or device.type != "cuda" else "graphs"
-            mode += " sync-out" if sync_out else " async-out"
+            mode += (" sync-out" if sync_out else " async-out") + (" ahead" if ahead else "")
             line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} {mode:6s} tqserve {ours:9.1f} tok/s"
             if len(ours_all) > 1:
                 line += f" (runs {', '.join(f'{x:.1f}' for x in ours_all)})"

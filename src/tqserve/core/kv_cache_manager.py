@@ -188,9 +188,12 @@ class KVCacheManager:
             return
         rid = request.request_id
         table = self.block_tables[rid]
-        hashes = self._hash_blocks(request, request.num_computed_tokens)
+        # Only known tokens hash: with async scheduling the computed count may include a token whose
+        # id is still being read back.
+        done = min(request.num_computed_tokens, request.num_tokens)
+        hashes = self._hash_blocks(request, done)
         # Lookups may have hashed further than the computed pages reach.
-        full = min(len(hashes), len(table), request.num_computed_tokens // self.block_size)
+        full = min(len(hashes), len(table), done // self.block_size)
         for i in range(self.num_registered.get(rid, 0), full):
             self.pool.register(table[i], hashes[i])
         self.num_registered[rid] = full

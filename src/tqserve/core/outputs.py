@@ -15,6 +15,9 @@ class ScheduledRequest:
     sink_slot: int
     num_page_tokens_cached: int  # positions below this skip page writes (shared pages)
     sample: bool  # the step reaches the end of the known tokens: sample the next one
+    # token_ids[-1] is the token the previous step samples for this request, not read back yet: a
+    # placeholder here, written on the device from that step's sampled tokens (async scheduling)
+    deferred: bool = False
     want_prompt_logprobs: bool = False
     # Exact-window snapshots to write this step: (block boundary b, snapshot slot); the slot receives
     # the exact K/V of positions [b - W, b) of every window layer (core/window_snapshots.py).

@@ -63,6 +63,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending_output and req.num_output_tokens + req.num_pending_output >= req.max_tokens:
+                i += 1  # its last token is being sampled: the update finishes it
+                continue
             n = self._chunk(req, req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
@@ -79,6 +82,8 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending_output:
+                break  # preempted while its token was being sampled: admitted once it is known
             pages, hit, resume, ckpt, snap = self.kv.lookup_prefix(req)
             n = self._chunk(req, resume, budget)
             if n <= 0:
@@ -114,7 +119,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """Tokens to compute for `req` from `start` within `budget` (0: wait for the next step)."""
-        n = req.num_tokens - start
+        n = req.num_tokens + req.num_pending_output - start
         if n > budget:
             if not self.config.enable_chunked_prefill:
                 return 0
@@ -132,13 +137,19 @@ class Scheduler:
         return n
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """Schedule tokens [start, start + n) of `req` and count them computed: the step's update only
+        fills in the tokens it samples (so the next step can be scheduled before that, `deferred`)."""
         start = req.num_computed_tokens
         rid = req.request_id
-        sample = start + n == req.num_tokens
+        known = req.num_tokens
+        sample = start + n == known + req.num_pending_output
+        deferred = start + n > known  # the last token is the one being sampled (0: a placeholder)
+        req.num_computed_tokens = start + n
+        req.num_pending_output += sample
         out.requests.append(
             ScheduledRequest(
                 request_id=rid,
-                token_ids=[req.token_at(p) for p in range(start, start + n)],
+                token_ids=[req.token_at(p) if p < known else 0 for p in range(start, start + n)],
                 start_pos=start,
                 block_table=self.kv.block_tables[rid],
                 seq_slot=self.kv.seq_slot[rid],
@@ -148,6 +159,7 @@ class Scheduler:
                 want_prompt_logprobs=start < req.num_prompt_tokens
                 and (req.sampling_params.prompt_logprobs is not None or req.sampling_params.prompt_logprobs_full),
                 ring_snapshots=self.kv.snapshot_captures(req, start, start + n),
+                deferred=deferred,
             )
         )
         out.num_tokens += n
@@ -167,17 +179,21 @@ class Scheduler:
 
     # ---- after the runner -------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance counters, append sampled tokens, stop requests. Returns requests that changed."""
+        """Append the step's sampled tokens, register newly full blocks, stop requests. Returns the
+        requests that changed. A request may have been preempted since it was scheduled (async
+        scheduling): its token still counts, its pages are gone."""
         changed = []
         for s in sched.requests:
             req = self.requests.get(s.request_id)
-            if req is None:  # aborted meanwhile
+            if req is None:  # finished or aborted meanwhile
                 continue
-            req.num_computed_tokens = s.start_pos + len(s.token_ids)
-            self.kv.cache_full_blocks(req)
             token = result.sampled.get(s.request_id)
             if token is not None:
                 req.output_token_ids.append(token)
+                req.num_pending_output -= 1
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(req)
+            if token is not None:
                 self._check_stop(req, token)
             changed.append(req)
         return changed

@@ -25,6 +25,10 @@ class StepInputs:
     sample_request_ids: list[str]
     # Prompt-logprob rows: (request id, first flat row, number of rows, position of the first row).
     prompt_rows: list[tuple[str, int, int, int]]
+    # Async scheduling: flat rows whose token the previous step is sampling, and those requests' ids
+    # (`ScheduledRequest.deferred`); the runner writes them into input_ids on the device.
+    deferred_rows: list[int] | None = None
+    deferred_request_ids: list[str] | None = None
 
 
 class _Buffer:
@@ -73,6 +77,11 @@ class InputBatchBuilder:
         # alive, so its identity cannot be reused by another request's list.
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_num_reqs
         self.sample_idx = _Buffer((max_num_reqs,), torch.int64, device)
+        # Async scheduling: (row, index into the previous step's sampled tokens) of deferred tokens
+        self.deferred = _Buffer((2, max_num_reqs), torch.int64, device)
+        # With async scheduling a step is built while the one before may not have consumed its
+        # uploads: the pinned buffers are rewritten only after this event (recorded after them).
+        self._uploaded: torch.cuda.Event | None = None
         # Exact-window snapshots (presets with a window): at most two per request and step.
         self.window = window
         if window:
@@ -84,9 +93,12 @@ class InputBatchBuilder:
         that write nothing (slot -1) and read only the null page, sequence slot and sink slot; the
         metadata then describes the padded batch, with `max_seq_len` the graph's fixed bound so that
         every launch shape is the captured one."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         bs = self.block_size
         t = 0
         qsl = [0]
+        deferred_rows, deferred_ids = [], []
         seq_lens, seq_slots, sink_slots, tables, slot_map = [], [], [], [], []
         sample_rows, sample_ids, prompt_rows_host = [], [], []
         snaps = []  # (boundary, start, first token row, sequence slot, snapshot slot)
@@ -127,6 +139,9 @@ class InputBatchBuilder:
                 sample_ids.append(s.request_id)
             if s.want_prompt_logprobs:
                 prompt_rows_host.append((s.request_id, t, n, s.start_pos))
+            if s.deferred:
+                deferred_rows.append(t + n - 1)
+                deferred_ids.append(s.request_id)
             snaps.extend((b, s.start_pos, t, s.seq_slot, slot) for b, slot in s.ring_snapshots)
             t += n
             qsl.append(t)
@@ -172,7 +187,7 @@ class InputBatchBuilder:
             meta.ring_snapshots = self._ring_snapshots(snaps)
         if self.gdn_chunk:
             meta.extra["gdn_chunk_indices"] = self._gdn_chunk_indices(qsl)
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=self.input_ids.upload(t),
             positions=meta.positions,
             meta=meta,
@@ -180,6 +195,26 @@ class InputBatchBuilder:
             sample_request_ids=sample_ids,
             prompt_rows=prompt_rows_host,
         )
+        if deferred_rows:
+            inputs.deferred_rows, inputs.deferred_request_ids = deferred_rows, deferred_ids
+        if self.input_ids.pinned:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        return inputs
+
+    def write_deferred(self, inputs: StepInputs, prev_sample_ids: list[str], prev_tokens: torch.Tensor) -> None:
+        """Write the deferred tokens of `inputs` (sampled by the previous step, still on the device) into
+        its input_ids. Enqueued after the uploads, so the step's forward reads them."""
+        order = {rid: i for i, rid in enumerate(prev_sample_ids)}
+        n = len(inputs.deferred_rows)
+        self.deferred.np[0, :n] = inputs.deferred_rows
+        self.deferred.np[1, :n] = [order[rid] for rid in inputs.deferred_request_ids]
+        if self.deferred.pinned:
+            self.deferred.dev[:, :n].copy_(self.deferred.host[:, :n], non_blocking=True)
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        idx = self.deferred.dev[:, :n]
+        inputs.input_ids.index_copy_(0, idx[0], prev_tokens.index_select(0, idx[1]))
 
     def _ring_snapshots(self, snaps: list[tuple[int, int, int, int, int]]) -> RingSnapshots:
         n, w = len(snaps), self.window
@@ -231,7 +266,7 @@ def build_sampling_batch(
         b.top_k = dev(top_k, torch.int64)
         b.top_p = dev(top_p, torch.float32)
         b.min_p = dev(min_p, torch.float32)
-    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+    if any(p.uses_penalties for p in params):
         n = len(requests)
         out_counts = np.zeros((n, vocab_size), dtype=np.float32)
         seen = np.zeros((n, vocab_size), dtype=bool)
@@ -247,7 +282,9 @@ def build_sampling_batch(
     ban_rows, ban_tokens = [], []
     for i, r in enumerate(requests):
         p = r.sampling_params
-        if r.num_output_tokens < p.min_tokens:
+        # the output index this step samples: with async scheduling the one before may still be on
+        # its way back (pending counts this step's sample too once scheduled)
+        if r.num_output_tokens + max(r.num_pending_output - 1, 0) < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
             for tok in sorted(banned):
                 ban_rows.append(i)

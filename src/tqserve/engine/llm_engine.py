@@ -10,10 +10,10 @@ import torch
 
 from tqserve.config import EngineArgs
 from tqserve.core.kv_cache_manager import CacheLayout, KVCacheManager
-from tqserve.core.outputs import RunnerOutput
+from tqserve.core.outputs import RunnerOutput, SchedulerOutput
 from tqserve.core.scheduler import Scheduler, SchedulerConfig
 from tqserve.engine.memory import CapacityReport, page_bytes_per_token
-from tqserve.engine.model_runner import ModelRunner
+from tqserve.engine.model_runner import ModelRunner, StepHandle
 from tqserve.engine.output_processor import OutputProcessor, ParentState, SampleState
 from tqserve.outputs import CompletionOutput, RequestOutput
 from tqserve.request import Request, RequestStatus
@@ -117,6 +117,9 @@ class LLMEngine:
         # Process step N's outputs while step N + 1 runs on the device (`step`); tests switch it on CPU.
         self.async_output_proc = device.type == "cuda" and not args.disable_async_output_proc
         self._pending: tuple[list[Request], RunnerOutput] | None = None
+        # Launch step N + 1 before step N is read back (`step`); tests switch it on CPU.
+        self.async_scheduling = device.type == "cuda" and args.async_scheduling
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
         self.eos_ids = frozenset(tokenizer.stop_token_ids)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -179,29 +182,42 @@ class LLMEngine:
         return outs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._pending is not None
+        return self.scheduler.has_unfinished() or self._pending is not None or self._inflight is not None
+
+    @property
+    def num_samples_in_flight(self) -> int:
+        """Tokens the launched, not yet collected step samples (async scheduling)."""
+        return sum(s.sample for s in self._inflight[0].requests) if self._inflight is not None else 0
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and update one step. With `async_output_proc` the outputs of the step before
-        are processed while this one runs on the device and returned now; this step's come with the
-        next call (which, once nothing is left to schedule, only processes them). A request that a
-        stop string ends in those outputs has been scheduled once more meanwhile: that step's token
-        is dropped (`Scheduler.update` skips finished requests) and its pages were freed only after
-        the step was enqueued, on the same stream, so nothing later reads them before it is done."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return self._process_pending()
-        now = time.monotonic()
-        for s in sched.requests:
-            req = self.scheduler.requests[s.request_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-            if s.start_pos < req.num_prompt_tokens:
-                self.num_prompt_tokens += min(len(s.token_ids), req.num_prompt_tokens - s.start_pos)
-        collect = self.runner.launch(sched, self.scheduler.requests)
-        outs = self._process_pending()  # overlaps the device work just launched
-        result = collect()
+        """Run one step: collect the step on the device, update the scheduler with its tokens.
+
+        - `async_output_proc`: the outputs of the step before are processed while this one runs on the
+          device and returned now; this step's come with the next call. A request that a stop string
+          ends there has been scheduled once more meanwhile: that token is dropped (`Scheduler.update`
+          skips finished requests).
+        - `async_scheduling`: the step after this one is scheduled and launched before this one is
+          read back, its decode tokens written on the device from this step's samples
+          (`ScheduledRequest.deferred`), so the device goes from step to step without waiting for the
+          host. A request that this step finishes (EOS, stop id) is then in the next step too: its
+          token is dropped the same way.
+
+        Pages and slots freed while a step is in flight are reused only by work enqueued after it, on
+        the same stream."""
+        if self._inflight is None:
+            sched = self._schedule()
+            if sched is None:
+                return self._process_pending()
+            self._inflight = (sched, self.runner.launch(sched, self.scheduler.requests))
+        sched, handle = self._inflight
+        self._inflight = None
+        outs = self._process_pending()  # overlaps the device work in flight
+        if self.async_scheduling and self._can_schedule_ahead(sched):
+            nxt = self._schedule()
+            if nxt is not None:
+                self._inflight = (nxt, self.runner.launch(nxt, self.scheduler.requests, prev=handle))
+        result = handle.collect()
         changed = self.scheduler.update(sched, result)
         now = time.monotonic()
         for req in changed:
@@ -214,6 +230,27 @@ class LLMEngine:
         if not self.async_output_proc:
             outs += self._process_pending()
         return outs
+
+    def _schedule(self) -> SchedulerOutput | None:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return None
+        now = time.monotonic()
+        for s in sched.requests:
+            req = self.scheduler.requests[s.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if s.start_pos < req.num_prompt_tokens:
+                self.num_prompt_tokens += min(len(s.token_ids), req.num_prompt_tokens - s.start_pos)
+        return sched
+
+    def _can_schedule_ahead(self, inflight: SchedulerOutput) -> bool:
+        """Whether the next step can be launched before `inflight` is read back: not when a running
+        request's sampling needs its output tokens on the host (penalties count them), nor after a
+        step with prompt-logprob rows (reading those back waits for the whole stream anyway)."""
+        if any(s.want_prompt_logprobs for s in inflight.requests):
+            return False
+        return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
     def _process_pending(self) -> list[RequestOutput]:
         """Outputs of the last updated step: detokenize, apply stop strings, build RequestOutputs."""

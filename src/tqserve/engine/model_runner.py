@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from functools import partial
 
 import torch
 
@@ -35,6 +33,30 @@ def make_formats(model, preset: str, skip_layers: list[int], dtype: torch.dtype)
 
             formats.append(make_layer_format(name, i, hkv, d, dtype))
     return formats
+
+
+class StepHandle:
+    """A launched step: its inputs, hidden states and sampled tensors on the device, and on CUDA their
+    copy to pinned host memory with an event after it, so that `collect` waits for this step only
+    (with async scheduling the next step is already queued behind it)."""
+
+    def __init__(self, runner: ModelRunner, inputs, hidden: torch.Tensor, sampled, requests: dict) -> None:
+        self.runner, self.inputs, self.hidden, self.sampled, self.requests = runner, inputs, hidden, sampled, requests
+        self.host: list[torch.Tensor] | None = None
+        self.copied: torch.cuda.Event | None = None
+        if sampled is not None and sampled[0][0].is_cuda:
+            tokens, lp = sampled[0]
+            self.host = [_to_pinned(t) for t in (tokens, *(lp or ()))]
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def collect(self) -> RunnerOutput:
+        return self.runner._collect(self)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class ModelRunner:
@@ -235,14 +257,20 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, requests: dict[str, Request]) -> Callable[[], RunnerOutput]:
-        """Enqueue one step's device work (inputs, forward, logits, sampling) without waiting for it.
-        The returned call reads the results back (the step's one device -> host sync) and must be
-        made before the next launch: the step's inputs and graph outputs live in buffers the next
-        step reuses. Between the two the host is free: the engine processes the previous step's
-        outputs there (`LLMEngine.step`)."""
+    def launch(
+        self, sched: SchedulerOutput, requests: dict[str, Request], prev: StepHandle | None = None
+    ) -> StepHandle:
+        """Enqueue one step's device work (inputs, forward, logits, sampling, the copy of the sampled
+        tokens to the host) without waiting for it; `StepHandle.collect` waits for this step alone.
+        `prev`: the step launched before, not collected yet (async scheduling): this step's deferred
+        tokens are that step's samples, copied on the device. Every step's results are collected, in
+        launch order, before the step after the next is launched."""
         size = self.graphs.size_for(sched) if self.graphs is not None else 0
         inputs = self.graphs.build(self.builder, sched, size) if size else self.builder.build(sched)
+        if inputs.deferred_rows:
+            if prev is None or prev.sampled is None:
+                raise RuntimeError("a step with deferred tokens needs the step that samples them")
+            self.builder.write_deferred(inputs, prev.inputs.sample_request_ids, prev.sampled[0][0])
         bs = self.config.block_size
         for slot, table, start in sched.ring_fills:
             pos = range(max(0, start - self.window), start)
@@ -267,13 +295,17 @@ class ModelRunner:
             gens = [self._generator(r) for r in reqs]
             batch, counts = build_sampling_batch(reqs, gens, self.vocab_size, self.device)
             sampled = (self.sampler.sample(logits, batch), counts)
-        return partial(self._collect, inputs, hidden, sampled, requests)
+        return StepHandle(self, inputs, hidden, sampled, requests)
 
     @torch.inference_mode()
-    def _collect(self, inputs, hidden: torch.Tensor, sampled, requests: dict[str, Request]) -> RunnerOutput:
+    def _collect(self, h: StepHandle) -> RunnerOutput:
+        inputs, hidden, requests = h.inputs, h.hidden, h.requests
         out = RunnerOutput()
-        if sampled is not None:
-            (tokens, lp), counts = sampled
+        if h.sampled is not None:
+            (tokens, lp), counts = h.sampled
+            if h.host is not None:
+                h.copied.synchronize()
+                tokens, lp = h.host[0], (tuple(h.host[1:]) if lp is not None else None)
             result = read_back(tokens, lp, counts)
             for rid, tok, lp_row in zip(inputs.sample_request_ids, result.token_ids, result.logprobs):
                 out.sampled[rid] = tok

@@ -89,6 +89,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--cuda-graph-sizes", type=int, nargs="+", default=None, help="decode batch sizes captured as CUDA graphs"
     )
     eng.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CUDA: launch each step before the previous one is read back (default on)",
+    )
+    eng.add_argument(
         "--disable-async-output-proc",
         action="store_true",
         default=None,
@@ -140,6 +146,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "cuda_graph_sizes": args.cuda_graph_sizes,
         "disable_async_output_proc": args.disable_async_output_proc,
+        "async_scheduling": args.async_scheduling,
         "num_window_snapshots": args.num_window_snapshots,
         "chat_template": resolve_chat_template(args.chat_template),
         "served_model_name": args.served_model_name[0] if args.served_model_name else None,
