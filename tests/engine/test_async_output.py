@@ -209,9 +209,11 @@ def test_gpu_async_equals_plain():
     which the scheduler predicts, so both engines run the same batches and every token must match."""
     import torch
 
-    from tqserve.models.loader import load_model
+    from tqserve.models.default_model import default_model_path
+    from tqserve.models.loader import load_gguf_file
 
-    loaded = load_model(None, torch.float32, torch.device("cuda"))
+    # load_model serves bfloat16 on CUDA; float32 (the smallest rounding) loads the file directly
+    loaded = load_gguf_file(default_model_path(), torch.float32, torch.device("cuda"))
     tok = loaded[2]
     prompts = [tok.encode(f"Item {i}: the history of the number {i * 7} is") for i in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(12)]
