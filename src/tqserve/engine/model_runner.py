@@ -10,7 +10,7 @@ from tqserve.attention.reference import KVCacheStore, ReferenceBackend
 from tqserve.core.outputs import RunnerOutput, SchedulerOutput
 from tqserve.engine.input_batch import InputBatchBuilder, build_sampling_batch
 from tqserve.engine.memory import plan_num_blocks
-from tqserve.engine.sampler import Sampler, prompt_logprobs, read_back
+from tqserve.engine.sampler import Sampler, prompt_logprobs, read_back, to_pinned_host
 from tqserve.kvquant.base import ExactFormat, LayerKVFormat
 from tqserve.layers.attention import ForwardContext
 from tqserve.request import Request
@@ -46,17 +46,12 @@ class StepHandle:
         self.copied: torch.cuda.Event | None = None
         if sampled is not None and sampled[0][0].is_cuda:
             tokens, lp = sampled[0]
-            self.host = [_to_pinned(t) for t in (tokens, *(lp or ()))]
+            self.host = [to_pinned_host(t) for t in (tokens, *(lp or ()))]
             self.copied = torch.cuda.Event()
             self.copied.record()
 
     def collect(self) -> RunnerOutput:
         return self.runner._collect(self)
-
-
-def _to_pinned(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 class ModelRunner:

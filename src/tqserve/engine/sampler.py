@@ -120,6 +120,13 @@ def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int):
     return chosen, rank, top_vals, top_ids
 
 
+def to_pinned_host(t: torch.Tensor) -> torch.Tensor:
+    """Start the copy of a sampled tensor to pinned host memory (the caller records an event after it
+    and waits on that, not on the whole stream, before `read_back`)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 def read_back(tokens: torch.Tensor, lp, counts: list[int]) -> SampleResult:
     """Host lists of `Sampler.sample`'s tensors: the device -> host sync of a step."""
     token_ids = tokens.tolist()
