@@ -227,3 +227,25 @@ def test_gpu_async_equals_plain():
             assert llm.engine.runner.builder.deferred.host.any()
         del llm
     assert outs[0] == outs[1]
+
+
+def test_window_preset_multi_turn(smollm_loaded):
+    """tq3 keeps an exact window, snapshotted at block boundaries while decoding for prefix hits. With
+    async scheduling a decode step ending on a boundary waits for its token to be read back
+    (`KVCacheManager.needs_known_tokens`): tokens, prefix hits and snapshot hits equal the plain
+    engine's over a multi-turn chat."""
+    results = []
+    for mode in ((False, False), MODES["both"]):
+        llm = _llm(smollm_loaded, mode, kv_cache_dtype="tq3", max_num_batched_tokens=64)
+        tok = llm.get_tokenizer()
+        conv = [tok.encode(f"Tell me about the number {i}. It is") for i in (3, 7)]
+        answers = []
+        for turn in range(3):
+            params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": c} for c in conv], params)
+            answers.append([o.outputs[0].token_ids for o in outs])
+            conv = [c + a + tok.encode(f" And then {turn}?") for c, a in zip(conv, answers[-1])]
+        kv = llm.engine.kv
+        results.append((answers, kv.prefix_hits, kv.snapshot_hits))
+    assert results[0] == results[1]
+    assert results[0][2] > 0, "the chat must hit window snapshots"

@@ -118,3 +118,28 @@ def test_multi_turn_chat_hits_state_checkpoints(ckpt, capsys):
     with capsys.disabled():
         print(f"\nhybrid multi-turn prefix-cache hit rate: {rate:.1%} over 4 turns")
     assert rate > 0.4
+
+
+def test_async_scheduling_multi_turn(ckpt):
+    """Async output processing and async scheduling forced on (the CUDA defaults): multi-turn chats with
+    prefix caching and state checkpoints every block give the tokens and the cache hits of the plain
+    engine. A decode step that would save a checkpoint keyed by a token still on its way back waits
+    for it (`KVCacheManager.needs_known_tokens`), so the same checkpoints are taken."""
+    path, _, prompts = ckpt
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    results = []
+    for mode in ((False, False), (True, True)):
+        llm = LLM(
+            model=path, dtype="float32", max_model_len=256, enable_prefix_caching=True, max_num_batched_tokens=64,
+            mamba_checkpoint_interval=16,
+        )  # fmt: skip
+        llm.engine.async_output_proc, llm.engine.async_scheduling = mode
+        conv = [list(p[:30]) for p in prompts[3:6]]
+        answers = []
+        for turn in range(3):
+            outs = llm.generate([{"prompt_token_ids": c} for c in conv], params)
+            answers.append([o.outputs[0].token_ids for o in outs])
+            conv = [c + a + [11 + turn, 12 + turn] for c, a in zip(conv, answers[-1])]
+        results.append((answers, llm.engine.kv.prefix_hits, llm.engine.kv.prefix_queries))
+    assert results[0] == results[1]
+    assert results[0][1] > 0

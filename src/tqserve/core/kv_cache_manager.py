@@ -81,6 +81,8 @@ class KVCacheManager:
         if (len(hashes) + 1) * bs > upto:
             return hashes
         tokens = request.all_token_ids
+        # never a block with a token not read back yet (async scheduling): its hash would be wrong
+        upto = min(upto, len(tokens))
         while (len(hashes) + 1) * bs <= upto:
             i = len(hashes)
             parent = hashes[-1] if hashes else self.layout.cache_salt
@@ -228,6 +230,23 @@ class KVCacheManager:
                 if decode:
                     self.snaps.latest[rid] = h
         return out
+
+    def needs_known_tokens(self, request: Request, end: int) -> bool:
+        """Whether a step computing up to `end` may take an exact-window snapshot or a state checkpoint,
+        which are keyed by the hash of tokens [0, end): with async scheduling the last of them may
+        still be on its way back, and such a step waits until it is known."""
+        if end <= request.num_tokens or end % self.block_size:
+            return False
+        lay = self.layout
+        if self.snaps is not None:
+            return True  # `snapshot_captures`: a decode step ending on a block boundary
+        # `checkpoint_slot_for`: a deferred step is a one-token decode, saved every checkpoint_interval
+        return (
+            lay.has_state
+            and lay.enable_prefix_caching
+            and bool(lay.num_checkpoint_slots)
+            and end % lay.checkpoint_interval == 0
+        )
 
     def checkpoint_slot_for(self, request: Request, n: int, prefill: bool) -> int | None:
         """A checkpoint slot to save the request's state into, or None. Prefill chunks end on the

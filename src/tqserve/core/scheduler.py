@@ -67,7 +67,7 @@ class Scheduler:
                 i += 1  # its last token is being sampled: the update finishes it
                 continue
             n = self._chunk(req, req.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or req.num_pending_output and self.kv.needs_known_tokens(req, req.num_computed_tokens + n):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
