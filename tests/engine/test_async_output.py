@@ -240,7 +240,7 @@ def test_window_preset_multi_turn(smollm_loaded):
         tok = llm.get_tokenizer()
         conv = [tok.encode(f"Tell me about the number {i}. It is") for i in (3, 7)]
         answers = []
-        for turn in range(3):
+        for turn in range(2):  # the second turn resumes from the first one's decode snapshots
             params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
             outs = llm.generate([{"prompt_token_ids": c} for c in conv], params)
             answers.append([o.outputs[0].token_ids for o in outs])
