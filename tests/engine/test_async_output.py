@@ -97,6 +97,9 @@ def _requests(tok, stop: str) -> list[tuple[str, list[int], SamplingParams]]:
         ("penalty", tok.encode("Repeat after me: la la la"), SamplingParams(temperature=0.0, max_tokens=10,
                                                                            repetition_penalty=1.3)),
         ("long", tok.encode("Tell me a story about a dragon. " * 6), SamplingParams(temperature=0.0, max_tokens=16)),
+        # prompt logprobs are read back with their step; no step is scheduled ahead of one that has them
+        ("prompt-lp", tok.encode("The quick brown fox jumps over the lazy dog and"),
+         SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=2)),
     ]  # fmt: skip
 
 
@@ -127,6 +130,12 @@ def test_outputs_equal_plain_engine(smollm_loaded, stop_string, plain_run, mode)
         assert a[-1].finished and b[-1].finished
         assert _final(a[-1]) == _final(b[-1]), rid
         assert _logprobs_close(a[-1], b[-1]), rid
+        pa, pb = a[-1].prompt_logprobs, b[-1].prompt_logprobs
+        assert (pa is None) == (pb is None) and [sorted(e or {}) for e in pa or []] == [
+            sorted(e or {}) for e in pb or []
+        ]
+        for ea, eb in zip(pa or [], pb or []):
+            assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea or {}), rid
         # the same stream of states, in the same order (one output per step; with async scheduling a
         # long prompt's chunks may split differently, a request about to finish taking a token of the
         # budget once more, so the outputs of prefill chunks without a new token are not counted)
@@ -137,6 +146,7 @@ def test_outputs_equal_plain_engine(smollm_loaded, stop_string, plain_run, mode)
     assert outs["eos"].finish_reason == "stop" and len(outs["eos"].token_ids) < 40
     assert len(outs["eos-min"].token_ids) >= 8
     assert outs["stop-id"].stop_reason == 28 and len(outs["stop-id"].token_ids) < 30
+    assert len(plain["prompt-lp"][-1].prompt_logprobs) == len(plain["prompt-lp"][-1].prompt_token_ids)
     if mode == "async-output":
         assert steps == plain_steps + 1  # the last call only processes the outputs of the one before
     if MODES[mode][1]:
