@@ -239,11 +239,23 @@ def test_gpu_async_equals_plain():
     assert outs[0] == outs[1]
 
 
-def test_window_preset_multi_turn(smollm_loaded):
+def test_window_preset_multi_turn(smollm_loaded, monkeypatch):
     """tq3 keeps an exact window, snapshotted at block boundaries while decoding for prefix hits. With
-    async scheduling a decode step ending on a boundary waits for its token to be read back
-    (`KVCacheManager.needs_known_tokens`): tokens, prefix hits and snapshot hits equal the plain
+    async scheduling a decode step ending on a boundary is scheduled before its last token is known:
+    its snapshot slot is reserved then and named by the block's hash once the token is read back
+    (`WindowSnapshots.reserve` / `key`). Tokens, prefix hits and snapshot hits equal the plain
     engine's over a multi-turn chat."""
+    from tqserve.core.window_snapshots import WindowSnapshots
+
+    reserved = []
+    reserve = WindowSnapshots.reserve
+
+    def counting(self, request_id, boundary):
+        slot = reserve(self, request_id, boundary)
+        reserved.append(slot)
+        return slot
+
+    monkeypatch.setattr(WindowSnapshots, "reserve", counting)
     results = []
     for mode in ((False, False), MODES["both"]):
         llm = _llm(smollm_loaded, mode, kv_cache_dtype="tq3", max_num_batched_tokens=64)
@@ -257,5 +269,9 @@ def test_window_preset_multi_turn(smollm_loaded):
             conv = [c + a + tok.encode(f" And then {turn}?") for c, a in zip(conv, answers[-1])]
         kv = llm.engine.kv
         results.append((answers, kv.prefix_hits, kv.snapshot_hits))
+        assert not kv.snaps.unkeyed  # every reservation named or released
+        if not mode[1]:
+            assert not reserved  # the plain engine knows every token it snapshots
     assert results[0] == results[1]
     assert results[0][2] > 0, "the chat must hit window snapshots"
+    assert any(slot is not None for slot in reserved), "async scheduling must reserve decode snapshots"

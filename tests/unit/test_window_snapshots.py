@@ -197,3 +197,31 @@ def test_snapshot_write_and_restore_are_exact():
     for p in range(8 - window, 8):
         assert torch.equal(rk[3, :, p % window], k[p]) and torch.equal(rv[3, :, p % window], v[p])
     assert torch.equal(rk[2, :, 16 % window], k[16])  # the request's own ring is untouched
+
+
+def test_reserved_snapshot_named_once_its_token_is_known():
+    """Async scheduling: a decode-boundary snapshot is scheduled before the boundary's last token is read
+    back. Its slot is reserved (and busy for that step), named by the block hash once the token is known,
+    replacing the request's previous decode snapshot; a request that leaves first gives the slot back,
+    and a block already held frees the new copy."""
+    pool = WindowSnapshots(3)
+    old = pool.take("r", 111)
+    pool.link("r", lambda h: 7)
+    pool.latest["r"] = 111
+    pool.begin_step()
+    slot = pool.reserve("r", 32)
+    assert slot is not None and slot != old and slot in pool.busy and pool.reserve("r", 48) is None
+    pool.key("r", lambda b: None)  # the token is not back yet
+    assert pool.unkeyed == {"r": (slot, 32)} and 111 in pool.entries
+    pool.key("r", lambda b: 222 if b == 32 else None)
+    assert pool.entries.get(222) == slot and 111 not in pool.entries and pool.latest["r"] == 222
+    pool.link("r", lambda h: 9)
+    assert pool.find(222) == slot
+    free = len(pool.free_slots)
+    pool.begin_step()
+    s2 = pool.reserve("q", 16)
+    pool.release("q")  # finished before its token came back
+    assert not pool.unkeyed and len(pool.free_slots) == free and s2 in pool.free_slots
+    s3 = pool.reserve("q", 16)
+    pool.key("q", lambda b: 222)  # that block's snapshot is held already
+    assert s3 in pool.free_slots and pool.entries[222] == slot

@@ -200,6 +200,8 @@ class KVCacheManager:
             self.pool.register(table[i], hashes[i])
         self.num_registered[rid] = full
         if self.snaps is not None:
+            bs = self.block_size
+            self.snaps.key(rid, lambda b: self._hash_blocks(request, b)[b // bs - 1] if b <= done else None)
             self.snaps.link(rid, self.pool.lookup)
 
     def begin_step(self) -> None:
@@ -223,6 +225,11 @@ class KVCacheManager:
         for b, decode in cands:
             if b < floor:
                 continue
+            if b > request.num_tokens:  # async scheduling: the boundary's token is still being sampled
+                slot = self.snaps.reserve(rid, b)
+                if slot is not None:
+                    out.append((b, slot))
+                continue
             h = self._hash_blocks(request, b)[b // bs - 1]
             slot = self.snaps.take(rid, h, replace=self.snaps.latest.get(rid) if decode else None)
             if slot is not None:
@@ -232,14 +239,13 @@ class KVCacheManager:
         return out
 
     def needs_known_tokens(self, request: Request, end: int) -> bool:
-        """Whether a step computing up to `end` may take an exact-window snapshot or a state checkpoint,
-        which are keyed by the hash of tokens [0, end): with async scheduling the last of them may
-        still be on its way back, and such a step waits until it is known."""
+        """Whether a step computing up to `end` may save a state checkpoint, keyed by the hash of tokens
+        [0, end): with async scheduling the last of them may still be on its way back, and such a step
+        waits until it is known (every checkpoint_interval tokens of a hybrid model's decode).
+        Exact-window snapshots do not wait: their slot is reserved and named later (`snapshot_captures`)."""
         if end <= request.num_tokens or end % self.block_size:
             return False
         lay = self.layout
-        if self.snaps is not None:
-            return True  # `snapshot_captures`: a decode step ending on a block boundary
         # `checkpoint_slot_for`: a deferred step is a one-token decode, saved every checkpoint_interval
         return (
             lay.has_state

@@ -28,6 +28,9 @@ class WindowSnapshots:
         self.busy: set[int] = set()  # slots read or written by the step being scheduled
         self.pending: dict[str, list[int]] = {}  # request -> hashes written this step, not linked yet
         self.latest: dict[str, int] = {}  # request -> hash of its latest decode-boundary snapshot
+        # request -> (slot, boundary): a decode-boundary snapshot written by a step scheduled before
+        # its last token was read back (async scheduling), named by its block's hash once it is (`key`)
+        self.unkeyed: dict[str, tuple[int, int]] = {}
 
     def begin_step(self) -> None:
         self.busy.clear()
@@ -50,18 +53,56 @@ class WindowSnapshots:
             return None
         if replace is not None and replace in self.entries and self.entries[replace] not in self.busy:
             self.drop(replace)
-        if self.free_slots:
-            slot = self.free_slots.pop()
-        else:
-            victim = next((h for h, s in self.entries.items() if s not in self.busy), None)
-            if victim is None:
-                return None
-            self.drop(victim)
-            slot = self.free_slots.pop()
+        slot = self._free_slot()
+        if slot is None:
+            return None
         self.entries[block_hash] = slot
         self.busy.add(slot)
         self.pending.setdefault(request_id, []).append(block_hash)
         return slot
+
+    def reserve(self, request_id: str, boundary: int) -> int | None:
+        """A slot for the request's decode-boundary snapshot at `boundary` whose block hash is not known
+        yet (the step's last token is still being sampled), or None; `key` names it later."""
+        if request_id in self.unkeyed:
+            return None
+        slot = self._free_slot()
+        if slot is not None:
+            self.busy.add(slot)
+            self.unkeyed[request_id] = (slot, boundary)
+        return slot
+
+    def key(self, request_id: str, hash_at: Callable[[int], int | None]) -> None:
+        """Name the request's reserved snapshot once its tokens are known (`hash_at(boundary)`: the hash
+        of the block ending there, None while a token is missing); it then replaces the request's latest
+        decode-boundary snapshot, as `take` does, and is linked like the others (`link`)."""
+        entry = self.unkeyed.get(request_id)
+        if entry is None:
+            return
+        slot, boundary = entry
+        h = hash_at(boundary)
+        if h is None:
+            return
+        del self.unkeyed[request_id]
+        if h in self.entries:  # that block's snapshot is held already: the new copy is not needed
+            self.free_slots.append(slot)
+            return
+        old = self.latest.get(request_id)
+        if old is not None and old in self.entries and self.entries[old] not in self.busy:
+            self.drop(old)
+        self.entries[h] = slot
+        self.pending.setdefault(request_id, []).append(h)
+        self.latest[request_id] = h
+
+    def _free_slot(self) -> int | None:
+        """A free slot, evicting the least recently used snapshot no step being scheduled uses."""
+        if self.free_slots:
+            return self.free_slots.pop()
+        victim = next((h for h, s in self.entries.items() if s not in self.busy), None)
+        if victim is None:
+            return None
+        self.drop(victim)
+        return self.free_slots.pop()
 
     def link(self, request_id: str, lookup: Callable[[int], int | None]) -> None:
         """After the step: tie the request's new snapshots to the cached pages of their blocks
@@ -86,6 +127,9 @@ class WindowSnapshots:
         for h in self.pending.pop(request_id, []):
             self.drop(h)
         self.latest.pop(request_id, None)
+        entry = self.unkeyed.pop(request_id, None)
+        if entry is not None:  # later steps reuse the slot after the one writing it (one stream)
+            self.free_slots.append(entry[0])
 
     def drop(self, block_hash: int) -> None:
         slot = self.entries.pop(block_hash, None)
