@@ -373,6 +373,35 @@ def test_narrow_lazy_rescale(tau, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
+def test_narrow_column_groups_rule(monkeypatch):
+    """Two column groups (N / 2 and 8) where the real columns fill at most N / 2 + 8 of a padded N >= 32."""
+    assert narrow.col_groups(5, 4) == (16, 8) and narrow.col_groups(6, 4) == (16, 8)  # 20, 24 of 32
+    assert narrow.col_groups(3, 7) == (16, 8)  # 21 of 32
+    assert narrow.col_groups(7, 4) == (32, 0) and narrow.col_groups(8, 4) == (32, 0)  # 28, 32: one group
+    assert narrow.col_groups(1, 4) == (8, 0) and narrow.col_groups(4, 4) == (16, 0)
+    assert narrow.col_groups(5, 3) == (16, 0)
+    lay = _layout("turboquant_4bit_nc")
+    key = narrow.plan(lay, 128, 4, 5, 64, 32768, 132, DEV)[4]
+    monkeypatch.setattr(narrow, "SPLIT_COLS", 0)
+    assert narrow.col_groups(5, 4) == (32, 0)
+    assert narrow.plan(lay, 128, 4, 5, 64, 32768, 132, DEV)[4] != key  # a launch key of its own
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "turboquant_3bit_nc", "tq_k4v4_ub"])
+@pytest.mark.parametrize("tau", [0.0, 8.0])
+def test_narrow_column_groups(preset, tau, narrow_spy, monkeypatch):
+    """Verify steps of 5 tokens x a group of 4 (20 real columns) run as two column groups of 16 + 8 over
+    the same decoded slices (`col_groups`), and as one group of 32: both match the reference, with the
+    eager and the lazy rescale, one split and several; 4- and 3-bit codes (4 and 8 slices), min-max and
+    codebook values, exact sink / window copies (tq3)."""
+    monkeypatch.setattr(narrow, "LAZY_TAU", tau)
+    for split_cols in (1, 0):
+        monkeypatch.setattr(narrow, "SPLIT_COLS", split_cols)
+        for splits in (None, 3):
+            _check_one_step(preset, 8, 2, 128, [300, 77, 150, 9], [5, 1, 3, 5], seed=6, num_splits=splits)
+    assert len(narrow_spy) == 4
+
+
 def test_narrow_gets_two_word_decoders(monkeypatch):
     """2-bit codebook values of 32-row verify programs use byte-word decoders (`shfl_slices_b8`, four
     words per register) in `paged_decode`'s kernel only; the narrow kernel must be handed the

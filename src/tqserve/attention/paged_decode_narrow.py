@@ -53,6 +53,10 @@ from tqserve.attention.tuning import NARROW_MAX_SPLITS
 ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
+# Steps whose real columns fill little more than half of the padded N (verify with a GQA group of 4:
+# 5 x 4 = 20 of 32) run two column groups, N / 2 and 8 wide, over the same decoded key and value
+# slices: 24 columns of softmax, accumulators and tensor-core work instead of 32 (0: one group).
+SPLIT_COLS = 1
 # Register cap of d < 128 kernels of exact-copy layouts (0: none), decode (8 columns) / wider steps
 # (tq3 at SmolLM2's 9 / 3 / 64, 64 x 4K, tenth session: decode 128 -> 0.0602 ms, 168 0.0636, none
 # 0.0634; verify 64 x 5 x 4K 168 -> 0.0875, none 0.0895, 128 0.0962).
@@ -149,6 +153,16 @@ def cols(max_query_len: int, group: int) -> int:
     """The N side of the dots: (query tokens) x (heads of the group), padded to a power of two, at
     least 8 (the tensor cores' n8)."""
     return max(8, triton.next_power_of_2(max(1, max_query_len) * group))
+
+
+def col_groups(max_query_len: int, group: int) -> tuple[int, int]:
+    """(N, N2): the widths of the program's two column groups (N2 = 0: one group of `cols`). The
+    second group is the tensor cores' n8 and takes the columns past N when at most 8 remain."""
+    n = cols(max_query_len, group)
+    real = max(1, max_query_len) * group
+    if SPLIT_COLS and n >= 32 and real <= n // 2 + 8:
+        return n // 2, 8
+    return n, 0
 
 
 def launch_config(
@@ -251,6 +265,7 @@ def plan(
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
+    key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -411,14 +426,52 @@ def _exact_program(
     tl.store(lse_row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=h_ok)
 
 
+@triton.jit
+def _columns(c, G: tl.constexpr, BLOCK_Q: tl.constexpr, qlen, kvh, q_start, seq_len):
+    """Columns c of a program: (query token t, head h of the group), t-major. Returns (real column,
+    query head, token row, query position)."""
+    t = c // G
+    h_ok = (t < qlen) & (c < BLOCK_Q * G)
+    return h_ok, kvh * G + c % G, (q_start + t).to(tl.int64), seq_len - qlen + t
+
+
+@triton.jit
+def _mask_scores(
+    s, n, nmask, qpos, ksc, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr
+):  # fmt: skip
+    """Scores [keys, columns] times the keys' norms; -inf for keys past the split, in verify steps keys
+    after a column's query token, and pairs the exact rule claims (a pair is packed iff n >= SINK and
+    qpos - n >= WINDOW). Padded columns have zero queries, so their scores stay finite."""
+    if HAS_EXACT:
+        keep = nmask[:, None] & (n[:, None] >= SINK) & (n[:, None] <= (qpos - WINDOW)[None, :])
+    elif BLOCK_Q > 1:
+        keep = nmask[:, None] & (n[:, None] <= qpos[None, :])
+    else:
+        keep = nmask[:, None]
+    return tl.where(keep, s * ksc[:, None], float("-inf"))
+
+
+@triton.jit
+def _finish_group(obase, lse_row, m_i, l_i, h_ok, D: tl.constexpr, HAS_EXACT: tl.constexpr, SPLIT: tl.constexpr):
+    """A column group's end: zeros in the exact part (split 0 holds the exact pairs), its log-sum-exp
+    for the split-K combine; returns the divisor of its accumulators."""
+    if HAS_EXACT:
+        d = tl.arange(0, D)
+        tl.store(obase + D + d[:, None], tl.zeros([D, h_ok.shape[0]], dtype=obase.dtype.element_ty), mask=h_ok[None, :])
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if SPLIT:
+        tl.store(lse_row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=h_ok)
+    return l_safe
+
+
 @triton.jit(do_not_specialize=["stride_ls"])
 def _narrow_decode_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
     qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr,
     stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, stride_qxt, stride_knt, stride_vnt,
     split_n, qk_scale,
-    HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, N2: tl.constexpr, NX: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
     KASM0: tl.constexpr, KASM1: tl.constexpr, KASM2: tl.constexpr, KASM3: tl.constexpr,
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
@@ -443,22 +496,19 @@ def _narrow_decode_kernel(
     lo = packed_s * split_n
     hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
 
-    # columns: (query token t, head h of the group), t-major; padded columns have zero queries
-    c = tl.arange(0, N)
-    t = c // G
-    hh = c % G
-    h_ok = (t < qlen) & (c < BLOCK_Q * G)
-    hq = kvh * G + hh
-    tok_c = (q_start + t).to(tl.int64)
-    qpos = seq_len - qlen + t
+    # columns: (query token t, head h of the group), t-major; padded columns have zero queries. With
+    # N2 > 0 the columns N .. N + N2 - 1 are a second group with state of its own (`col_groups`).
+    h_ok, hq, tok_c, qpos = _columns(tl.arange(0, N), G, BLOCK_Q, qlen, kvh, q_start, seq_len)
     tok = tok_c[None, :] * stride_qt
     obase = out_ptr + pid_s * stride_os + tok_c[None, :] * stride_ot + hq[None, :] * (NPART * D)
     if HAS_EXACT:
         if pid_s == 0:  # the exact pairs: a program of their own, apart from the packed loop's registers
+            h_okx, hqx, tokx, qposx = _columns(tl.arange(0, NX), G, BLOCK_Q, qlen, kvh, q_start, seq_len)
             _exact_program(
-                obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr,
-                sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, req, kvh, hq, h_ok, tok_c, qpos, q_start, seq_len - qlen,
-                seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale, HKV, D, N, SINK, WINDOW, BLOCK_X, DOT_F32, PREC,
+                out_ptr + pid_s * stride_os + tokx[None, :] * stride_ot + hqx[None, :] * (NPART * D),
+                lse_ptr + pid_s * stride_ls + tokx * stride_lt + hqx, qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr,
+                sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, req, kvh, hqx, h_okx, tokx, qposx, q_start, seq_len - qlen,
+                seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale, HKV, D, NX, SINK, WINDOW, BLOCK_X, DOT_F32, PREC,
             )  # fmt: skip
             return
     pk_t = tl.float32 if DOT_F32 else tl.float16  # the interpreter and float32 models compute in float32
@@ -492,6 +542,37 @@ def _narrow_decode_kernel(
         a6 = tl.zeros([KV, N], dtype=tl.float32)
         a7 = tl.zeros([KV, N], dtype=tl.float32)
     vsum = tl.zeros([N], dtype=tl.float32)  # min-max: sum of p (zero - 2^b scale), see _mm_terms
+    if N2 > 0:  # the second column group: its queries (r), softmax state and accumulators (b)
+        h_ok2, hq2, tok_c2, qpos2 = _columns(N + tl.arange(0, N2), G, BLOCK_Q, qlen, kvh, q_start, seq_len)
+        tok2 = tok_c2[None, :] * stride_qt
+        if QROT and SK == 8:
+            r0, r1, r2, r3, r4, r5, r6, r7 = _rot_q8(
+                q_ptr, r_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC
+            )  # fmt: skip
+        elif QROT:
+            r0, r1, r2, r3 = _rot_q4(q_ptr, r_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC)
+        else:
+            r0 = _q_cols(q_ptr, tok2, hq2, h_ok2, 0, qk_scale, SK, D, pk_t)
+            r1 = _q_cols(q_ptr, tok2, hq2, h_ok2, 1, qk_scale, SK, D, pk_t)
+            r2 = _q_cols(q_ptr, tok2, hq2, h_ok2, 2, qk_scale, SK, D, pk_t)
+            r3 = _q_cols(q_ptr, tok2, hq2, h_ok2, 3, qk_scale, SK, D, pk_t)
+            if SK == 8:
+                r4 = _q_cols(q_ptr, tok2, hq2, h_ok2, 4, qk_scale, SK, D, pk_t)
+                r5 = _q_cols(q_ptr, tok2, hq2, h_ok2, 5, qk_scale, SK, D, pk_t)
+                r6 = _q_cols(q_ptr, tok2, hq2, h_ok2, 6, qk_scale, SK, D, pk_t)
+                r7 = _q_cols(q_ptr, tok2, hq2, h_ok2, 7, qk_scale, SK, D, pk_t)
+        m_i2 = tl.full([N2], -1.0e30, dtype=tl.float32)
+        l_i2 = tl.zeros([N2], dtype=tl.float32)
+        b0 = tl.zeros([KV, N2], dtype=tl.float32)
+        b1 = tl.zeros([KV, N2], dtype=tl.float32)
+        b2 = tl.zeros([KV, N2], dtype=tl.float32)
+        b3 = tl.zeros([KV, N2], dtype=tl.float32)
+        if SV == 8:
+            b4 = tl.zeros([KV, N2], dtype=tl.float32)
+            b5 = tl.zeros([KV, N2], dtype=tl.float32)
+            b6 = tl.zeros([KV, N2], dtype=tl.float32)
+            b7 = tl.zeros([KV, N2], dtype=tl.float32)
+        vsum2 = tl.zeros([N2], dtype=tl.float32)
     bt_row = bt_ptr + req * stride_bt
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -501,25 +582,41 @@ def _narrow_decode_kernel(
         vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW)  # [words, keys]
         ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
         vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
-        s = tl.dot(_cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t), q0, input_precision=PREC)
-        s = tl.dot(_cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t), q1, s, input_precision=PREC)
-        s = tl.dot(_cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t), q2, s, input_precision=PREC)
-        s = tl.dot(_cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t), q3, s, input_precision=PREC)
-        if SK == 8:  # (the 3-bit decoder is one string for every slice: KASM0)
-            s = tl.dot(_cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t), q4, s, input_precision=PREC)
-            s = tl.dot(_cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM0, pk_t), q5, s, input_precision=PREC)
-            s = tl.dot(_cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM0, pk_t), q6, s, input_precision=PREC)
-            s = tl.dot(_cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM0, pk_t), q7, s, input_precision=PREC)
-        # padded columns have zero queries, so their scores stay finite; masked: keys past the split,
-        # in verify steps keys after a column's query token, and the pairs the exact rule claims (a
-        # pair is packed iff n >= SINK and qpos - n >= WINDOW)
-        if HAS_EXACT:
-            packed = nmask[:, None] & (n[:, None] >= SINK) & (n[:, None] <= (qpos - WINDOW)[None, :])
-            s = tl.where(packed, s * ksc[:, None], float("-inf"))
-        elif BLOCK_Q > 1:
-            s = tl.where(nmask[:, None] & (n[:, None] <= qpos[None, :]), s * ksc[:, None], float("-inf"))
-        else:
-            s = tl.where(nmask[:, None], s * ksc[:, None], float("-inf"))
+        # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
+        k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t)
+        s = tl.dot(k, q0, input_precision=PREC)
+        if N2 > 0:
+            s2 = tl.dot(k, r0, input_precision=PREC)
+        k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t)
+        s = tl.dot(k, q1, s, input_precision=PREC)
+        if N2 > 0:
+            s2 = tl.dot(k, r1, s2, input_precision=PREC)
+        k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t)
+        s = tl.dot(k, q2, s, input_precision=PREC)
+        if N2 > 0:
+            s2 = tl.dot(k, r2, s2, input_precision=PREC)
+        k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t)
+        s = tl.dot(k, q3, s, input_precision=PREC)
+        if N2 > 0:
+            s2 = tl.dot(k, r3, s2, input_precision=PREC)
+        if SK == 8:
+            k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q4, s, input_precision=PREC)
+            if N2 > 0:
+                s2 = tl.dot(k, r4, s2, input_precision=PREC)
+            k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q5, s, input_precision=PREC)
+            if N2 > 0:
+                s2 = tl.dot(k, r5, s2, input_precision=PREC)
+            k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q6, s, input_precision=PREC)
+            if N2 > 0:
+                s2 = tl.dot(k, r6, s2, input_precision=PREC)
+            k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q7, s, input_precision=PREC)
+            if N2 > 0:
+                s2 = tl.dot(k, r7, s2, input_precision=PREC)
+        s = _mask_scores(s, n, nmask, qpos, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
         if LAZY_TAU > 0:
             # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
             # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
@@ -551,21 +648,68 @@ def _narrow_decode_kernel(
             if SV == 8:
                 a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
         pv = (p * vsc[:, None]).to(pk_t)
-        a0 = _acc_cols(a0, pv, vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
-        a1 = _acc_cols(a1, pv, vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, PREC)
-        a2 = _acc_cols(a2, pv, vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, PREC)
-        a3 = _acc_cols(a3, pv, vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, PREC)
+        if N2 > 0:
+            s2 = _mask_scores(s2, n, nmask, qpos2, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
+            m_tile2 = tl.max(s2, 0)
+            m_new2 = tl.maximum(m_i2, m_tile2)
+            if LAZY_TAU > 0:  # (vze: the first group's min-max terms of this tile)
+                grow2 = tl.max(m_tile2 - m_i2, 0) > LAZY_TAU
+                m_new2 = tl.where(grow2, m_new2, m_i2)
+            alpha2 = tl.exp2(m_i2 - m_new2)  # 1 where a lazy group keeps its maximum
+            p2 = tl.exp2(s2 - m_new2[None, :])
+            l_i2 = l_i2 * alpha2 + tl.sum(p2, 0)
+            if VAL_MODE == 2:
+                vsum2 = vsum2 * alpha2 + tl.sum(p2 * vze[:, None], 0)
+            m_i2 = m_new2
+            if LAZY_TAU > 0:
+                if grow2:
+                    b0, b1, b2, b3 = _scale4(b0, b1, b2, b3, alpha2)
+                    if SV == 8:
+                        b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
+            else:
+                b0, b1, b2, b3 = _scale4(b0, b1, b2, b3, alpha2)
+                if SV == 8:
+                    b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
+            pv2 = (p2 * vsc[:, None]).to(pk_t)
+        # each decoded value slice serves both column groups
+        v = _v_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+        a0 = tl.dot(v, pv, a0, input_precision=PREC)
+        if N2 > 0:
+            b0 = tl.dot(v, pv2, b0, input_precision=PREC)
+        v = _v_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t)
+        a1 = tl.dot(v, pv, a1, input_precision=PREC)
+        if N2 > 0:
+            b1 = tl.dot(v, pv2, b1, input_precision=PREC)
+        v = _v_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t)
+        a2 = tl.dot(v, pv, a2, input_precision=PREC)
+        if N2 > 0:
+            b2 = tl.dot(v, pv2, b2, input_precision=PREC)
+        v = _v_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t)
+        a3 = tl.dot(v, pv, a3, input_precision=PREC)
+        if N2 > 0:
+            b3 = tl.dot(v, pv2, b3, input_precision=PREC)
         if SV == 8:
-            a4 = _acc_cols(a4, pv, vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
-            a5 = _acc_cols(a5, pv, vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
-            a6 = _acc_cols(a6, pv, vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
-            a7 = _acc_cols(a7, pv, vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, PREC)
+            v = _v_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+            a4 = tl.dot(v, pv, a4, input_precision=PREC)
+            if N2 > 0:
+                b4 = tl.dot(v, pv2, b4, input_precision=PREC)
+            v = _v_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+            a5 = tl.dot(v, pv, a5, input_precision=PREC)
+            if N2 > 0:
+                b5 = tl.dot(v, pv2, b5, input_precision=PREC)
+            v = _v_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+            a6 = tl.dot(v, pv, a6, input_precision=PREC)
+            if N2 > 0:
+                b6 = tl.dot(v, pv2, b6, input_precision=PREC)
+            v = _v_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+            a7 = tl.dot(v, pv, a7, input_precision=PREC)
+            if N2 > 0:
+                b7 = tl.dot(v, pv2, b7, input_precision=PREC)
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    if HAS_EXACT:  # the exact pairs are split 0's
-        d = tl.arange(0, D)
-        tl.store(obase + D + d[:, None], tl.zeros([D, N], dtype=out_ptr.dtype.element_ty), mask=h_ok[None, :])
     vs = vsum[None, :]
+    l_safe = _finish_group(
+        obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, HAS_EXACT, SPLIT
+    )
     _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SV, D)
     _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SV, D)
     _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SV, D)
@@ -575,9 +719,21 @@ def _narrow_decode_kernel(
         _store_cols(obase, a5 + vs, l_safe, h_ok, 5, SV, D)
         _store_cols(obase, a6 + vs, l_safe, h_ok, 6, SV, D)
         _store_cols(obase, a7 + vs, l_safe, h_ok, 7, SV, D)
-    if SPLIT:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, lse, mask=h_ok)
+    if N2 > 0:
+        obase2 = out_ptr + pid_s * stride_os + tok_c2[None, :] * stride_ot + hq2[None, :] * (NPART * D)
+        vs2 = vsum2[None, :]
+        l_safe2 = _finish_group(
+            obase2, lse_ptr + pid_s * stride_ls + tok_c2 * stride_lt + hq2, m_i2, l_i2, h_ok2, D, HAS_EXACT, SPLIT
+        )  # fmt: skip
+        _store_cols(obase2, b0 + vs2, l_safe2, h_ok2, 0, SV, D)
+        _store_cols(obase2, b1 + vs2, l_safe2, h_ok2, 1, SV, D)
+        _store_cols(obase2, b2 + vs2, l_safe2, h_ok2, 2, SV, D)
+        _store_cols(obase2, b3 + vs2, l_safe2, h_ok2, 3, SV, D)
+        if SV == 8:
+            _store_cols(obase2, b4 + vs2, l_safe2, h_ok2, 4, SV, D)
+            _store_cols(obase2, b5 + vs2, l_safe2, h_ok2, 5, SV, D)
+            _store_cols(obase2, b6 + vs2, l_safe2, h_ok2, 6, SV, D)
+            _store_cols(obase2, b7 + vs2, l_safe2, h_ok2, 7, SV, D)
 
 
 def launch(
@@ -619,13 +775,14 @@ def launch(
     npart = 2 if layout.sink or layout.window else 1
     grid = (meta.num_reqs * hkv, splits)
     n_cols = cols(meta.max_query_len, hq // hkv)
+    n_first, n_second = col_groups(meta.max_query_len, hq // hkv)
     pairs = pair_scalars(layout, n_cols, (ks, vs, vz))
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
         qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
-        HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_cols, D=d,
+        HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_first, N2=n_second, NX=n_cols, D=d,
         BS=kp.shape[2], BLOCK_N=block_n,
         KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits,
         SK=slices(layout.key_bits), SV=slices(layout.val_bits),
