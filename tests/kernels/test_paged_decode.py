@@ -402,16 +402,6 @@ def test_narrow_column_groups(preset, tau, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
-def test_narrow_masks_every_tile(preset, narrow_spy, monkeypatch):
-    """MASK_EDGES = 0: every key tile takes the per-element masks (the other tests run the default,
-    where tiles inside the split and the packed, causal range of every column skip them)."""
-    monkeypatch.setattr(narrow, "MASK_EDGES", 0)
-    _check_one_step(preset, 8, 2, 128, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=3)
-    _check_one_step(preset, 8, 2, 128, [300, 77, 150, 9], [5, 1, 3, 5], seed=6)
-    assert len(narrow_spy) == 2
-
-
 def test_narrow_gets_two_word_decoders(monkeypatch):
     """2-bit codebook values of 32-row verify programs use byte-word decoders (`shfl_slices_b8`, four
     words per register) in `paged_decode`'s kernel only; the narrow kernel must be handed the

@@ -57,9 +57,6 @@ MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `pa
 # 5 x 4 = 20 of 32) run two column groups, N / 2 and 8 wide, over the same decoded key and value
 # slices: 24 columns of softmax, accumulators and tensor-core work instead of 32 (0: one group).
 SPLIT_COLS = 1
-# Key tiles wholly inside the split and the packed, causal range of every column skip the per-element
-# score masks (only a split's edge tiles, the sink and the window take them); 0: every tile is masked.
-MASK_EDGES = 1
 # Register cap of d < 128 kernels of exact-copy layouts (0: none), decode (8 columns) / wider steps
 # (tq3 at SmolLM2's 9 / 3 / 64, 64 x 4K, tenth session: decode 128 -> 0.0602 ms, 168 0.0636, none
 # 0.0634; verify 64 x 5 x 4K 168 -> 0.0875, none 0.0895, 128 0.0962).
@@ -268,7 +265,7 @@ def plan(
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
-    key += col_groups(max_query_len, group) + (bool(MASK_EDGES),)
+    key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -440,33 +437,18 @@ def _columns(c, G: tl.constexpr, BLOCK_Q: tl.constexpr, qlen, kvh, q_start, seq_
 
 @triton.jit
 def _mask_scores(
-    s, n, nmask, qpos, ksc, inner, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
-    BLOCK_Q: tl.constexpr, EDGES: tl.constexpr,
+    s, n, nmask, qpos, ksc, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr
 ):  # fmt: skip
     """Scores [keys, columns] times the keys' norms; -inf for keys past the split, in verify steps keys
     after a column's query token, and pairs the exact rule claims (a pair is packed iff n >= SINK and
-    qpos - n >= WINDOW). Padded columns have zero queries, so their scores stay finite. With EDGES, a
-    tile whose keys are all inside the split and packed for every column (`inner`) takes no mask."""
-    if EDGES:
-        if inner:
-            s = s * ksc[:, None]
-        else:
-            s = tl.where(_keep(n, nmask, qpos, HAS_EXACT, SINK, WINDOW, BLOCK_Q), s * ksc[:, None], float("-inf"))
-    else:
-        s = tl.where(_keep(n, nmask, qpos, HAS_EXACT, SINK, WINDOW, BLOCK_Q), s * ksc[:, None], float("-inf"))
-    return s
-
-
-@triton.jit
-def _keep(n, nmask, qpos, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The [keys, columns] pairs a packed program attends (`_mask_scores`)."""
+    qpos - n >= WINDOW). Padded columns have zero queries, so their scores stay finite."""
     if HAS_EXACT:
         keep = nmask[:, None] & (n[:, None] >= SINK) & (n[:, None] <= (qpos - WINDOW)[None, :])
     elif BLOCK_Q > 1:
         keep = nmask[:, None] & (n[:, None] <= qpos[None, :])
     else:
         keep = nmask[:, None]
-    return keep
+    return tl.where(keep, s * ksc[:, None], float("-inf"))
 
 
 @triton.jit
@@ -496,7 +478,6 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    MASK_EDGES: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -635,10 +616,7 @@ def _narrow_decode_kernel(
             s = tl.dot(k, q7, s, input_precision=PREC)
             if N2 > 0:
                 s2 = tl.dot(k, r7, s2, input_precision=PREC)
-        # inner: every key of the tile is inside the split and packed for every column (the first query
-        # token sits at seq_len - qlen)
-        inner = (n0 + BLOCK_N <= hi) & (n0 >= SINK) & (n0 + BLOCK_N - 1 <= seq_len - qlen - WINDOW)
-        s = _mask_scores(s, n, nmask, qpos, ksc, inner, HAS_EXACT, SINK, WINDOW, BLOCK_Q, MASK_EDGES)
+        s = _mask_scores(s, n, nmask, qpos, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
         if LAZY_TAU > 0:
             # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
             # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
@@ -671,7 +649,7 @@ def _narrow_decode_kernel(
                 a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
         pv = (p * vsc[:, None]).to(pk_t)
         if N2 > 0:
-            s2 = _mask_scores(s2, n, nmask, qpos2, ksc, inner, HAS_EXACT, SINK, WINDOW, BLOCK_Q, MASK_EDGES)
+            s2 = _mask_scores(s2, n, nmask, qpos2, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
             m_tile2 = tl.max(s2, 0)
             m_new2 = tl.maximum(m_i2, m_tile2)
             if LAZY_TAU > 0:  # (vze: the first group's min-max terms of this tile)
@@ -812,7 +790,7 @@ def launch(
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
-        QROT=rot is not None, RSQRT_D=d**-0.5, MASK_EDGES=bool(MASK_EDGES),
+        QROT=rot is not None, RSQRT_D=d**-0.5,
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
