@@ -51,7 +51,8 @@ def test_which_steps_a_graph_serves():
     assert g.size_for(SchedulerOutput([_req(i) for i in range(8)], 8)) == 8
     assert g.size_for(SchedulerOutput([_req(i) for i in range(9)], 9)) == 0  # larger than any graph
     assert g.size_for(SchedulerOutput([_req(0), _req(1, n=2)], 3)) == 0  # a prefill / verify row
-    assert g.size_for(SchedulerOutput([_req(0, ring_snapshots=[(16, 1)])], 1)) == 0  # snapshot due
+    assert g.size_for(SchedulerOutput([_req(0, ring_snapshots=[(16, 1)])], 1)) == 1  # a snapshot rides along
+    assert g.size_for(SchedulerOutput([_req(0, ring_snapshots=[(16, 1), (32, 2)])], 1)) == 0  # one row each
     assert g.size_for(SchedulerOutput([_req(0, want_prompt_logprobs=True)], 1)) == 0
     assert g.size_for(SchedulerOutput([], 0)) == 0
 
@@ -76,6 +77,22 @@ def test_padded_metadata():
     # an unpadded build of the same step is unchanged
     plain = b.build(sched)
     assert (plain.meta.num_reqs, plain.meta.max_seq_len) == (2, 21)
+
+
+def test_padded_snapshot_rows():
+    """A graph step of a window preset carries one exact-window snapshot row per graph request: the
+    rows due, then padding rows of the null slot 0, in the same device buffers every step."""
+    b = InputBatchBuilder(16, 8, 4, 16, torch.device("cpu"), window=4)
+    g = DecodeGraphs([4], max_seq_len=64)
+    snap = SchedulerOutput([_req(0, start=31, ring_snapshots=[(32, 3)]), _req(1, start=9)], 2)
+    rs = g.build(b, snap, 4).meta.ring_snapshots
+    assert rs.slot.tolist() == [3, 0, 0, 0] and rs.seq_slot.tolist() == [1, 0, 0, 0]
+    assert rs.start.tolist() == [31, 0, 0, 0] and rs.token0.tolist() == [0, 0, 0, 0]
+    assert rs.positions[0].tolist() == [28, 29, 30, 31]
+    ptr = rs.slot.data_ptr()
+    rs = g.build(b, SchedulerOutput([_req(0, start=20), _req(1, start=10)], 2), 4).meta.ring_snapshots
+    assert rs.slot.tolist() == [0, 0, 0, 0] and rs.slot.data_ptr() == ptr  # the earlier row is cleared
+    assert b.build(SchedulerOutput([_req(0, start=21)], 1)).meta.ring_snapshots is None  # eager: none due
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------
@@ -142,8 +159,17 @@ def test_replay_equals_eager_bitwise(gguf_path, kv):
     loaded = _load(gguf_path, "bfloat16")
     prompts = mixed_prompts()
     llm = _engine(loaded, "bfloat16", kv)
-    assert llm.engine.runner.graphs is not None
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    served = []  # graph steps that wrote an exact-window snapshot
+    size_for = graphs.size_for
+    graphs.size_for = lambda sched: (
+        n := size_for(sched),
+        served.append(n > 0 and any(s.ring_snapshots for s in sched.requests)),
+    )[0]
     got, replays = _run(llm, prompts)
+    if "tq" in kv:  # window presets: snapshot steps replay the graph too
+        assert any(served)
     llm = _engine(loaded, "bfloat16", kv)
     runner = llm.engine.runner
     runner.graphs = _EagerPadded(runner.graphs, runner)

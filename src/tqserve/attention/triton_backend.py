@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tqserve.attention.backend import AttentionBackend, AttentionMetadata
+from tqserve.attention.exact_refresh import refresh_exact
 from tqserve.attention.finish import warm_split_combine
 from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention
 from tqserve.attention.reference import KVCacheStore
@@ -53,8 +54,7 @@ class TritonAttentionBackend(AttentionBackend):
             ring=store.ring[layer_idx],
             sinks=store.sinks[layer_idx],
         )
-        n = meta.num_tokens
-        store.refresh_exact(layer_idx, k[:n], v[:n], meta)
+        refresh_exact(store, layer_idx, k, v, meta)
         return out
 
     def warm_up(self) -> None:

@@ -9,8 +9,10 @@ persistent device buffers (invariant 3), so a graph captured on views of those b
 step's inputs in place. A step of n one-token requests is padded to the next captured size B with
 requests that write nothing (slot -1) and read only the null page / sequence slot / sink slot, and
 its metadata carries the graph's fixed `max_seq_len` (max_model_len), so every launch grid and
-split count is the captured one. Steps a graph cannot serve run eagerly: prefill or verify tokens,
-exact-window snapshots due this step, more requests than the largest size.
+split count is the captured one. Exact-window snapshots due this step ride along: a graph step
+carries one snapshot row per request, the rows of requests without one name the null slot and write
+nothing (`attention/exact_refresh.py`). Steps a graph cannot serve run eagerly: prefill or verify
+tokens, prompt logprobs, more requests than the largest size.
 
 Warmup is capture (invariant 4): each size runs the same padded step eagerly first, which compiles
 every Triton specialization it reaches, then the same step is captured; a host sync inside the
@@ -55,7 +57,7 @@ class DecodeGraphs:
         if not reqs or len(reqs) > self.sizes[-1]:
             return 0
         for s in reqs:
-            if len(s.token_ids) != 1 or s.ring_snapshots or s.want_prompt_logprobs:
+            if len(s.token_ids) != 1 or len(s.ring_snapshots) > 1 or s.want_prompt_logprobs:
                 return 0
         return self.sizes[bisect.bisect_left(self.sizes, len(reqs))]
 

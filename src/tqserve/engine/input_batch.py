@@ -183,8 +183,9 @@ class InputBatchBuilder:
             block_tables_cpu=tables,
             slot_mapping_cpu=slot_map,
         )
-        if snaps:
-            meta.ring_snapshots = self._ring_snapshots(snaps)
+        if snaps or (pad_to and self.window):
+            # a graph step carries pad_to snapshot rows whatever is due (padding rows: slot 0, no write)
+            meta.ring_snapshots = self._ring_snapshots(snaps, pad_to)
         if self.gdn_chunk:
             meta.extra["gdn_chunk_indices"] = self._gdn_chunk_indices(qsl)
         inputs = StepInputs(
@@ -216,12 +217,18 @@ class InputBatchBuilder:
         idx = self.deferred.dev[:, :n]
         inputs.input_ids.index_copy_(0, idx[0], prev_tokens.index_select(0, idx[1]))
 
-    def _ring_snapshots(self, snaps: list[tuple[int, int, int, int, int]]) -> RingSnapshots:
-        n, w = len(snaps), self.window
-        info = np.asarray(snaps, dtype=np.int64)  # [n, 5]
-        self.snap_pos.np[:n] = info[:, :1] - w + np.arange(w)[None, :]
-        self.snap_info.np[:, :n] = info[:, 1:].T
-        pos = self.snap_pos.upload(n)
+    def _ring_snapshots(self, snaps: list[tuple[int, int, int, int, int]], rows: int = 0) -> RingSnapshots:
+        """The step's snapshot rows, padded to `rows` with rows of the null slot 0 (positions left as the
+        buffer held them: the kernels skip such rows, the reference writes them into the null slot)."""
+        k, w = len(snaps), self.window
+        n = max(k, rows)
+        if k:
+            info = np.asarray(snaps, dtype=np.int64)  # [k, 5]
+            self.snap_pos.np[:k] = info[:, :1] - w + np.arange(w)[None, :]
+            self.snap_info.np[:, :k] = info[:, 1:].T
+        self.snap_info.np[:, k:n] = 0
+        self.snap_pos.upload(k)
+        pos = self.snap_pos.dev[:n]
         if self.snap_info.pinned:
             self.snap_info.dev[:, :n].copy_(self.snap_info.host[:, :n], non_blocking=True)
         info_dev = self.snap_info.dev[:, :n]
