@@ -54,9 +54,9 @@ def _snapshots(rows: list[tuple[int, int, int, int, int]], window: int, pad: int
      ("tq_k4v2_ub_s4", 2, 64)],
 )  # fmt: skip
 def test_refresh_matches_reference(preset, hkv, d):
-    """A decode row, a prefill from scratch longer than the window across four block boundaries, a decode row deep in its
-    sequence and a chunk that starts inside the sink and crosses a boundary; snapshot rows reading the
-    ring, this step's k / v or both (and positions before 0), plus padding rows."""
+    """A decode row, a prefill from scratch longer than the window across four block boundaries, a
+    decode row deep in its sequence and a chunk that starts inside the sink and crosses a boundary;
+    snapshot rows reading the ring, this step's k / v or both (and positions before 0), padding rows."""
     gen = torch.Generator().manual_seed(3)
     ctx, qlens = [40, 0, 100, 2], [1, 70, 1, 30]
     meta = make_meta(ctx, qlens, 16, 64, DEV, seed=4)
