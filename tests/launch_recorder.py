@@ -20,6 +20,8 @@ KERNELS = [
     ("tqserve.attention.paged_decode_narrow", "_narrow_decode_kernel"),
     ("tqserve.attention.paged_extend", "_extend_kernel"),
     ("tqserve.kvquant.store_triton", "_store_kv_kernel"),
+    ("tqserve.attention.exact_refresh", "_snapshot_kernel"),
+    ("tqserve.attention.exact_refresh", "_refresh_kernel"),
 ]
 
 

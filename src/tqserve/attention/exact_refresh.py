@@ -21,7 +21,7 @@ from tqserve.attention.backend import AttentionMetadata
 from tqserve.attention.reference import KVCacheStore, _request_index
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # the step's token count: one binary for every step size
 def _snapshot_kernel(
     k_ptr, v_ptr, stride_kt, stride_vt, num_tokens,
     rk_ptr, rv_ptr, sk_ptr, sv_ptr,

@@ -207,6 +207,8 @@ class ModelRunner:
                     ScheduledRequest(f"warmup{i}", [0] * qlen, ctx, list(range(1, nblk + 1)), i + 1, i + 1, 0, True)
                     for i in range(nreq)
                 ]
+                if self.builder.window:  # an exact-window snapshot row of the null slot: launched, writes nothing
+                    reqs[0].ring_snapshots = [(ctx + qlen, 0)]
                 inputs = self.builder.build(SchedulerOutput(requests=reqs, num_tokens=qlen * nreq))
                 hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
                 self.model.compute_logits(hidden[inputs.sample_indices])
