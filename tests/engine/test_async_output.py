@@ -93,9 +93,11 @@ def _requests(tok, stop: str) -> list[tuple[str, list[int], SamplingParams]]:
         ("eos", chat("Say hi."), SamplingParams(temperature=0.0, max_tokens=40)),
         ("eos-min", chat("Say hi."), SamplingParams(temperature=0.0, max_tokens=40, min_tokens=8)),
         ("stop-id", tok.encode("1, 2, 3,"), SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[28])),
-        # penalties count output tokens on the host: those steps are not scheduled ahead
+        # penalties count every output token, the one still on the device included (`count_deferred_tokens`)
         ("penalty", tok.encode("Repeat after me: la la la"), SamplingParams(temperature=0.0, max_tokens=10,
                                                                            repetition_penalty=1.3)),
+        ("freq", tok.encode("List: a, a, a,"), SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=0.8,
+                                                             presence_penalty=0.4)),
         ("long", tok.encode("Tell me a story about a dragon. " * 6), SamplingParams(temperature=0.0, max_tokens=16)),
         # prompt logprobs are read back with their step; no step is scheduled ahead of one that has them
         ("prompt-lp", tok.encode("The quick brown fox jumps over the lazy dog and"),
@@ -209,6 +211,31 @@ def test_preemption_and_prefix_hits(smollm_loaded, mode):
         outs.append(rounds[0])
         assert llm.engine.scheduler.num_preemptions > 0, "the case must preempt"
         assert llm.engine.kv.prefix_hits > 0
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.5),
+     SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=1.5, presence_penalty=0.5)],
+)  # fmt: skip
+def test_penalties_scheduled_ahead(smollm_loaded, params):
+    """Steps of requests with penalties are scheduled ahead too: the token the step in flight samples
+    is counted on the device. A prompt that invites repetition makes the penalties change the greedy
+    tokens, and the tokens equal the plain engine's; without the device count they do not."""
+    prompt = [{"prompt_token_ids": smollm_loaded[2].encode("Say it again and again: yes yes yes yes yes")}]
+    outs, ahead = [], []
+    for mode in ((False, False), MODES["both"]):
+        llm = _llm(smollm_loaded, mode)
+        eng = llm.engine
+        eng.runner.launch = lambda *a, _launch=eng.runner.launch, **kw: (
+            ahead.append(kw.get("prev") is not None),
+            _launch(*a, **kw),
+        )[1]
+        outs.append(llm.generate(prompt, params)[0].outputs[0].token_ids)
+    unpenalized = _llm(smollm_loaded, (False, False)).generate(prompt, SamplingParams(temperature=0.0, max_tokens=24))
+    assert unpenalized[0].outputs[0].token_ids != outs[0], "the penalties must matter for this prompt"
+    assert sum(ahead) > 10, "steps were not scheduled ahead"
     assert outs[0] == outs[1]
 
 

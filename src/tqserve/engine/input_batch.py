@@ -300,3 +300,24 @@ def build_sampling_batch(
         b.ban_rows = dev(ban_rows, torch.int64)
         b.ban_tokens = dev(ban_tokens, torch.int64)
     return b, counts
+
+
+def count_deferred_tokens(
+    b: SamplingBatch,
+    sample_ids: list[str],
+    deferred_ids: list[str],
+    prev_sample_ids: list[str],
+    prev_tokens: torch.Tensor,
+) -> None:
+    """Add the output tokens still on the device to a penalty batch (async scheduling): request
+    `deferred_ids[i]`'s latest token is the previous step's sample of that request, which the host
+    lists `build_sampling_batch` counted from do not hold yet. Device work only: no read-back."""
+    prev_row = {rid: i for i, rid in enumerate(prev_sample_ids)}
+    deferred = set(deferred_ids)
+    pairs = [(i, prev_row[rid]) for i, rid in enumerate(sample_ids) if rid in deferred]
+    if not pairs:
+        return
+    idx = torch.as_tensor(np.asarray(pairs, dtype=np.int64).T).to(prev_tokens.device, non_blocking=True)
+    rows, tokens = idx[0], prev_tokens.index_select(0, idx[1]).long()
+    b.output_counts.index_put_((rows, tokens), torch.ones_like(rows, dtype=b.output_counts.dtype), accumulate=True)
+    b.seen_mask.index_put_((rows, tokens), torch.ones_like(rows, dtype=torch.bool))

@@ -245,12 +245,10 @@ class LLMEngine:
         return sched
 
     def _can_schedule_ahead(self, inflight: SchedulerOutput) -> bool:
-        """Whether the next step can be launched before `inflight` is read back: not when a running
-        request's sampling needs its output tokens on the host (penalties count them), nor after a
-        step with prompt-logprob rows (reading those back waits for the whole stream anyway)."""
-        if any(s.want_prompt_logprobs for s in inflight.requests):
-            return False
-        return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+        """Whether the next step can be launched before `inflight` is read back: not after a step with
+        prompt-logprob rows (reading those back waits for the whole stream anyway). Penalties count
+        the samples still on the device there (`count_deferred_tokens`)."""
+        return not any(s.want_prompt_logprobs for s in inflight.requests)
 
     def _process_pending(self) -> list[RequestOutput]:
         """Outputs of the last updated step: detokenize, apply stop strings, build RequestOutputs."""

@@ -8,7 +8,7 @@ import torch
 
 from tqserve.attention.reference import KVCacheStore, ReferenceBackend
 from tqserve.core.outputs import RunnerOutput, SchedulerOutput
-from tqserve.engine.input_batch import InputBatchBuilder, build_sampling_batch
+from tqserve.engine.input_batch import InputBatchBuilder, build_sampling_batch, count_deferred_tokens
 from tqserve.engine.memory import plan_num_blocks
 from tqserve.engine.sampler import Sampler, prompt_logprobs, read_back, to_pinned_host
 from tqserve.kvquant.base import ExactFormat, LayerKVFormat
@@ -291,6 +291,12 @@ class ModelRunner:
             reqs = [requests[r] for r in inputs.sample_request_ids]
             gens = [self._generator(r) for r in reqs]
             batch, counts = build_sampling_batch(reqs, gens, self.vocab_size, self.device)
+            if batch.output_counts is not None and inputs.deferred_rows:
+                # penalties count every output token: the previous step's samples are still on the device
+                count_deferred_tokens(
+                    batch, inputs.sample_request_ids, inputs.deferred_request_ids, prev.inputs.sample_request_ids,
+                    prev.sampled[0][0],
+                )  # fmt: skip
             sampled = (self.sampler.sample(logits, batch), counts)
         return StepHandle(self, inputs, hidden, sampled, requests)
 
