@@ -109,8 +109,9 @@ class ModelRunner:
         max_blocks = -(-max_model_len // config.block_size)
         gdn_chunk = 64 if self.state_specs and device.type == "cuda" else 0
         self.builder = InputBatchBuilder(
-            self.max_num_tokens, config.max_num_seqs, max_blocks, config.block_size, device, gdn_chunk, self.window
-        )
+            self.max_num_tokens, config.max_num_seqs, max_blocks, config.block_size, device, gdn_chunk,
+            self.window if self.num_snapshot_slots else 0,  # snapshot rows only where a snapshot pool exists
+        )  # fmt: skip
         self.sampler = Sampler(device, config.seed)
         self.generators: dict[str, torch.Generator] = {}
         if device.type == "cuda" and config.kernel_warmup:
