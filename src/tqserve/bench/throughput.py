@@ -22,11 +22,20 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_tqserve(
-    loaded, batch: int, new_tokens: int, device: str, dtype: str, prompt_len: int = 0, **engine_kwargs
+    loaded,
+    batch: int,
+    new_tokens: int,
+    device: str,
+    dtype: str,
+    prompt_len: int = 0,
+    prompt_len_spread: int = 0,
+    **engine_kwargs,
 ) -> float:
     """Output tokens/s of one batch, prompts included in the timing (as in transformers' generate).
     With prompt_len > 0 the prompts are synthetic token ids of that length and only the decode
-    steps are timed (prefill is done first, then every request decodes new_tokens together)."""
+    steps are timed (prefill is done first, then every request decodes new_tokens together). With
+    prompt_len_spread S, request i's prompt is i mod (S + 1) tokens shorter: the requests then reach
+    block boundaries (and the exact-window snapshots there) in different steps, as a server's do."""
     from tqserve import LLM, RequestOutputKind, SamplingParams
 
     max_len = max(1024, prompt_len + new_tokens + 16)
@@ -47,7 +56,12 @@ def bench_tqserve(
     if prompt_len:
         vocab = llm.engine.model_config.vocab_size
         prompts = [
-            {"prompt_token_ids": [(7 + 31 * i + 17 * j) % vocab for j in range(prompt_len)]} for i in range(batch)
+            {
+                "prompt_token_ids": [
+                    (7 + 31 * i + 17 * j) % vocab for j in range(prompt_len - i % (prompt_len_spread + 1))
+                ]
+            }
+            for i in range(batch)
         ]
         return _decode_only(llm, prompts, params, dev)
     prompts = [f"{PROMPT} (variant {i})" for i in range(batch)]
@@ -159,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
     p.add_argument("--prompt-len", type=int, default=0, help="synthetic prompts of this many tokens; time decode only")
+    p.add_argument(
+        "--prompt-len-spread",
+        type=int,
+        default=0,
+        help="request i's prompt is i mod (S + 1) tokens shorter (block boundaries in different steps)",
+    )
     p.add_argument("--skip-transformers", action="store_true")
     # true / false lists: one side or both, timed side by side
     for flag, text in (
@@ -173,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=1, help="run every side this many times, interleaved; report each one's median"
     )
     args = p.parse_args(argv)
+    if not 0 <= args.prompt_len_spread < max(args.prompt_len, 1):
+        p.error("--prompt-len-spread must be at least 0 and below --prompt-len")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -201,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                         str(device),
                         dtype_name,
                         args.prompt_len,
+                        args.prompt_len_spread,
                         kv_cache_dtype=kv,
                         enforce_eager=eager,
                         disable_async_output_proc=sync_out,
@@ -213,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "batch": b,
                 "prompt_len": args.prompt_len,
+                "prompt_len_spread": args.prompt_len_spread,
                 "kv_cache_dtype": kv,
                 "enforce_eager": eager,
                 "disable_async_output_proc": sync_out,
@@ -223,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(tqserve_runs=ours_all, transformers_runs=refs)
             mode = "eager" if eager or device.type != "cuda" else "graphs"
             mode += (" sync-out" if sync_out else " async-out") + (" ahead" if ahead else "")
-            line = f"batch {b:3d} prompt {args.prompt_len:5d} kv={kv:20s} {mode:6s} tqserve {ours:9.1f} tok/s"
+            prompt = f"{args.prompt_len:5d}" + (f"-{args.prompt_len_spread}" if args.prompt_len_spread else "")
+            line = f"batch {b:3d} prompt {prompt} kv={kv:20s} {mode:6s} tqserve {ours:9.1f} tok/s"
             if len(ours_all) > 1:
                 line += f" (runs {', '.join(f'{x:.1f}' for x in ours_all)})"
             if ref is not None:
