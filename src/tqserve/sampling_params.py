@@ -99,7 +99,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        """Presence / frequency / repetition penalties: sampling counts the output tokens on the host."""
+        """Presence / frequency / repetition penalties: sampling needs the counts of the output tokens."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def clone_for_child(self, index: int) -> SamplingParams:
