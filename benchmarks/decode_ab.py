@@ -6,7 +6,7 @@ PYTHONPATH=src:tests python benchmarks/decode_ab.py [--presets P,...] [--json F]
 PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --heads 9,3,64 --cases 64x4096x1  (SmolLM2's decode)
 PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --graphs --lookups shfl,prmt \
     --variants 'BLOCK_N=64,SMALL_NUM_WARPS=2:SMALL_BLOCK_N=64,narrow.ENABLED=0'   (decoders and knob
-    sets, graph replays; `narrow.` / `pdl.` knobs are attention/paged_decode_narrow.py's / pdl.py's)
+    sets, graph replays; `narrow.` knobs are attention/paged_decode_narrow.py's)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 
 from test_paged_attention import _check_one_step  # noqa: E402
 
-from tqserve.attention import paged_decode, pdl  # noqa: E402
+from tqserve.attention import paged_decode  # noqa: E402
 from tqserve.attention import paged_decode_narrow as narrow  # noqa: E402
 from tqserve.bench.kernels import Case, _bench, copy_bandwidth, sdpa_decode_ms  # noqa: E402
 
@@ -52,13 +52,12 @@ def checks() -> None:
 
 
 def _apply(variant: str) -> str:
-    """Set decode-kernel knobs from "NAME=VALUE;narrow.NAME=VALUE;pdl.PDL=0" (`paged_decode`, or with a
-    prefix `paged_decode_narrow` / `pdl`); returns the string that undoes it."""
+    """Set decode-kernel knobs from "NAME=VALUE;narrow.NAME=VALUE" (`paged_decode`, or with the prefix
+    `paged_decode_narrow`); returns the string that undoes it."""
     undo = []
     for kv in filter(None, variant.split(";")):
         name, val = kv.split("=")
-        prefix, _, attr = name.rpartition(".")
-        module = {"": paged_decode, "narrow": narrow, "pdl": pdl}[prefix]
+        module, attr = (narrow, name[len("narrow.") :]) if name.startswith("narrow.") else (paged_decode, name)
         old = getattr(module, attr)
         undo.append(f"{name}={int(old) if isinstance(old, bool) else old}")
         setattr(module, attr, type(old)(int(val) if val.isdigit() else val))

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tqserve.attention import pdl
 from tqserve.attention.tuning import MAX_SPLITS, NARROW_MAX_SPLITS
 
 # Largest [splits, columns] tile of one combine program (float32 elements; 32 per thread at 4 warps).
@@ -39,12 +38,10 @@ FINISH_K = 64  # rotation rows per dot
 @triton.jit(do_not_specialize=["n_splits", "stride_ls"])  # split count, tokens x heads
 def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, n_splits, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
-    W: tl.constexpr, BW: tl.constexpr, SP: tl.constexpr, GDC: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     """Columns [c0, c0 + BW) of one (token, query head): the splits' partials weighted by
     exp2(lse - max) and divided by their sum (base-2 log-sum-exps, as the kernels write them)."""
-    pdl.wait(GDC)
-    pdl.trigger(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -66,12 +63,10 @@ def _split_reduce_kernel(
 def _finish_kernel(
     src_ptr, rot_ptr, out_ptr, rows, n_out, stride_src, stride_ot, hq,
     D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-    ROTATED: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr, GDC: tl.constexpr,
+    ROTATED: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Output rows m (token m // hq, head m % hq), columns [c0, c0 + BC): (y R if ROTATED else y) + x,
     where src row m is [y | x] (x only with EXACT); rows in [rows, n_out) get zeros (graph padding)."""
-    pdl.wait(GDC)
-    pdl.trigger(GDC)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     live = m < rows
@@ -104,7 +99,7 @@ def combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int
     bw = combine_width(splits, w)
     _split_reduce_kernel[(num_tokens, hq, triton.cdiv(w, bw))](
         part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-        W=w, BW=bw, SP=triton.next_power_of_2(splits), GDC=pdl.enabled(part.device), **pdl.launch_options(part.device),
+        W=w, BW=bw, SP=triton.next_power_of_2(splits),
     )  # fmt: skip
 
 
@@ -120,7 +115,7 @@ def _finish(src: torch.Tensor, rot: torch.Tensor | None, out: torch.Tensor, npar
     _finish_kernel[grid](
         src, rot if rot is not None else src, out, num_tokens * hq, T * hq, src.stride(0), out.stride(0), hq,
         D=d, DP=dp, BK=min(dp, FINISH_K), BM=FINISH_ROWS, BC=FINISH_COLS,
-        ROTATED=rot is not None, EXACT=exact, PREC=prec, GDC=pdl.enabled(out.device), **pdl.launch_options(out.device),
+        ROTATED=rot is not None, EXACT=exact, PREC=prec,
     )  # fmt: skip
 
 

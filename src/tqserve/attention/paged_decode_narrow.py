@@ -38,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tqserve.attention import paged_decode, pdl
+from tqserve.attention import paged_decode
 from tqserve.attention.paged import (
     CODEBOOK,
     LAST_LAUNCH,
@@ -480,10 +480,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    GDC: tl.constexpr,
 ):  # fmt: skip
-    pdl.wait(GDC)  # (launched with PDL: the rotated query may still be in flight until here)
-    pdl.trigger(GDC)
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
     KRAW: tl.constexpr = KASM0 != ""
@@ -795,8 +792,8 @@ def launch(
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
-        QROT=rot is not None, RSQRT_D=d**-0.5, GDC=pdl.enabled(q.device),
-        num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}), **pdl.launch_options(q.device),
+        QROT=rot is not None, RSQRT_D=d**-0.5,
+        num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
     if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tqserve.attention import pdl
-
 # (rows, output columns, warps) per program by the step's row count (tokens x heads). 16-bit rows
 # (exact in tf32) take tensor-core `tf32x3` dots, error ~5e-7 of the largest output (R's hi / lo
 # split), float32 rows IEEE FMA dots. H100, eleventh session, CUDA-graph replays with launch (us,
@@ -43,12 +41,10 @@ def rotate_rows_reference(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 def _rotate_kernel(
     x_ptr, r_ptr, y_ptr, M, stride_xt,
     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-    PREC: tl.constexpr, GDC: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """y[m, c] = sum_k x[m, k] * R[c, k] for rows m of this block and columns c of this one; row m
     is head m % H of token m // H (x [T, H, D], heads and dims packed, tokens strided)."""
-    pdl.wait(GDC)
-    pdl.trigger(GDC)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     xrow = (m // H).to(tl.int64) * stride_xt + (m % H) * D
@@ -98,7 +94,6 @@ def rotate_rows_kernel(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(m, bm), triton.cdiv(d, bc))
     prec = "ieee" if f32 else "tf32x3"  # 16-bit rows are exact in tf32: R's hi / lo split carries it
     _rotate_kernel[grid](
-        x, rot, y, m, x.stride(0), H=heads, D=d, DP=dp, BK=min(dp, BLOCK_K), BM=bm, BC=bc, PREC=prec,
-        GDC=pdl.enabled(x.device), num_warps=warps, **pdl.launch_options(x.device),
-    )  # fmt: skip
+        x, rot, y, m, x.stride(0), H=heads, D=d, DP=dp, BK=min(dp, BLOCK_K), BM=bm, BC=bc, PREC=prec, num_warps=warps
+    )
     return y
