@@ -54,9 +54,6 @@ SCALE_MODES = {"plain": 0, "nc": 1, "unbiased": 2}
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
 WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-# Grid order: 1 = the KV heads of a token tile in consecutive programs (the programs resident together
-# read whole token rows of K / V and write neighbouring page rows), 0 = every tile of one head first.
-HEADS_FIRST = 1
 # `reference.fixed_point`'s constants
 _FIX_BIAS = tl.constexpr(FIX_BIAS)
 _FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
@@ -705,14 +702,10 @@ def _store_kv_kernel(
     SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
-    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
 ):  # fmt: skip
-    if HEADS_FIRST:  # consecutive programs: the KV heads of one token tile (`HEADS_FIRST`)
-        h = tl.program_id(0)
-        t0 = tl.program_id(1) * BT
-    else:
-        t0 = tl.program_id(0) * BT
-        h = tl.program_id(1)
+    t0 = tl.program_id(0) * BT
+    h = tl.program_id(1)
     t = t0 + tl.arange(0, BT)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
     ok = slot >= 0
@@ -958,9 +951,7 @@ def store_kv(
         w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
-    tiles = triton.cdiv(T, bt)
-    heads_first = bool(HEADS_FIRST) and tiles <= 65535  # (a grid's y extent is at most 65,535)
-    grid = (hkv, tiles) if heads_first else (tiles, hkv)
+    grid = (triton.cdiv(T, bt), hkv)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
@@ -971,5 +962,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        HEADS_FIRST=heads_first, num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        num_warps=warps, **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
