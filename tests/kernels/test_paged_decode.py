@@ -402,13 +402,16 @@ def test_narrow_column_groups(preset, tau, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
-def test_narrow_gets_two_word_decoders(monkeypatch):
-    """2-bit codebook values of 32-row verify programs use byte-word decoders (`shfl_slices_b8`, four
-    words per register) in `paged_decode`'s kernel only; the narrow kernel must be handed the
-    two-words-per-register ones. (The interpreter runs no inline PTX, so the decoders are stand-ins
-    and the launch is recorded, not run.)"""
+@pytest.mark.parametrize("byte_values", [1, 0])
+def test_narrow_value_decoders(byte_values, monkeypatch):
+    """2-bit codebook values of 32-row verify programs use `shfl_slices_b8` decoders in `paged_decode`'s
+    kernel only; the narrow kernel must be handed its own: the byte-word permutes (`prmt_slices_b8`)
+    where `narrow.byte_values` says so, else the two-words-per-register ones. (The interpreter runs no
+    inline PTX, so the decoders are stand-ins and the launch is recorded, not run.)"""
+    monkeypatch.setattr(narrow, "BYTE_VALUES_VERIFY", byte_values)
     monkeypatch.setattr(paged_decode, "_asm_for", lambda layout, side, bits, pairs=None: (f"{side}-pair",) * 4)
     monkeypatch.setattr(paged_decode, "_asm_b8", lambda layout: ("v-bytes",) * 4)
+    monkeypatch.setattr(paged_decode, "_asm_prmt_b8", lambda layout: ("v-prmt-bytes",) * 4)
     got = {}
 
     def record(*args, **kw):
@@ -423,9 +426,10 @@ def test_narrow_gets_two_word_decoders(monkeypatch):
     q, k, v = (torch.randn(sum(ql), h, d).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
     lay = layout_for_format(fmt, DEV)
     assert narrow.eligible(lay, 5, hq // hkv)
+    assert narrow.byte_values(lay, 5) == bool(byte_values)
     with pytest.raises(StopIteration):
         paged_decode.decode_attention(q, k, v, store.pages[0], lay, meta, d**-0.5)
-    assert got["vasm"] == ("v-pair",) * 4
+    assert got["vasm"] == (("v-prmt-bytes",) if byte_values else ("v-pair",)) * 4
 
 
 @pytest.mark.parametrize("preset", SLICED)

@@ -366,6 +366,28 @@ def prmt_pair_slices(codebook16) -> tuple[str, str, str, str]:
     return tuple(out)
 
 
+def prmt_slices_b8(codebook16) -> tuple[str, str, str, str]:
+    """`shfl_slices_b8`'s contract (four byte words in $2 -> $0 = (c[idx_j of words 0, 1]), $1 = (of
+    words 2, 3)) by byte permutes, no shuffle: the 4 centroids are 8 bytes in two registers; one
+    multiply-add turns the four masked codes c into the selector bytes (2c + 1) << 4 | 2c at once
+    (c * 0x22 + 0x10, no carry between bytes), whose low half picks words 0 and 1 and, shifted down,
+    words 2 and 3. Six integer instructions per four codes (five for j = 0) where `prmt_pair_slices`
+    takes ten and a byte -> 16-bit unpacking before it."""
+    import torch
+
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 4
+    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
+    t0, t1 = raw[0] | raw[1] << 16, raw[2] | raw[3] << 16
+    out = []
+    for j in range(4):
+        body = f".reg .b32 x, u, v, T0, T1;\nmov.b32 T0, {t0:#x};\nmov.b32 T1, {t1:#x};\n"
+        body += f"shr.u32 x, $2, {2 * j};\n" if j else "mov.b32 x, $2;\n"
+        body += "and.b32 x, x, 0x03030303;\nmad.lo.u32 u, x, 0x22, 0x10101010;\n"
+        body += "prmt.b32 $0, T0, T1, u;\nshr.u32 v, u, 16;\nprmt.b32 $1, T0, T1, v;\n"
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
 def shfl_pair_slices_b8(codebook16) -> tuple[str, str, str, str]:
     """`shfl_slices_b8`'s contract (four byte words in $2 -> $0 = (c[idx_j of words 0, 1]), $1 = (of
     words 2, 3)) with the pair table of `shfl_pair_slices`: two shuffles per four codes instead of four."""
@@ -926,6 +948,19 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
     return cache[key]
 
 
+def _asm_prmt_b8(layout) -> tuple[str, str, str, str]:
+    """`prmt_slices_b8` of the layout's 2-bit value codebook (the narrow kernel's byte-word values;
+    cached like `_asm_for`), or empty strings where `_asm_for` gives none (gathers)."""
+    if not _asm_for(layout, "v", 2, 2)[0]:
+        return ("", "", "", "")
+    cache = layout.__dict__.setdefault("_asm_cache", {})
+    if "prmt_b8" not in cache:
+        from tqserve.kvquant.reference import tq_codebook
+
+        cache["prmt_b8"] = prmt_slices_b8(tq_codebook(2, layout.head_dim)[0].half())
+    return cache["prmt_b8"]
+
+
 def _asm_b8(layout) -> tuple[str, str, str, str]:
     """`shfl_pair_slices_b8` (or with PAIR_TABLES = 0 `shfl_slices_b8`) of the layout's 2-bit value
     codebook (cached like `_asm_for`)."""
@@ -1042,6 +1077,8 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     vb8 = byte_vals and bool(vasm[0]) and LOOKUP == "shfl" and not use_narrow
     if vb8:
         vasm = _asm_b8(layout)
+    if use_narrow and narrow.byte_values(layout, meta.max_query_len):
+        vasm = ("", "", "", "") if model_f32 else _asm_prmt_b8(layout)  # four byte words per register
     stride_os = part.stride(0) if not direct else 0
     dot_f32, prec = _interpreting() or model_f32, "ieee" if model_f32 else "tf32"
     if use_narrow:

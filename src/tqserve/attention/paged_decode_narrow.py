@@ -49,7 +49,16 @@ from tqserve.attention.paged import (
     _tile_rows,
     _token_scalars,
 )
-from tqserve.attention.paged_decode import _cb_slice, _mm_terms, _v_slice, _words, _x_range, _x_tile, slices
+from tqserve.attention.paged_decode import (
+    _asm_slice4,
+    _cb_slice,
+    _mm_terms,
+    _v_slice,
+    _words,
+    _x_range,
+    _x_tile,
+    slices,
+)
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
 ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
@@ -99,6 +108,12 @@ PAIR_SCALARS = 1
 # 0.502, verify 0.846 -> 1.104 (255 registers, more spills); only 3-bit keys gained (3bit_nc decode
 # 0.851 -> 0.832). Kept for A/B timing (tests check it against `rotate_rows`).
 QROT = 0
+# 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
+# (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
+# decoders take 2.5 and a byte -> 16-bit unpacking), in decode / wider steps (0: the word decoders of
+# `paged_decode.pair_tables`).
+BYTE_VALUES = 1
+BYTE_VALUES_VERIFY = 1
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -206,6 +221,12 @@ def pair_scalars(layout, n_cols: int, scalars: tuple = ()) -> bool:
     return not (layout.val_mode == CODEBOOK and n_cols <= 16 and not (layout.sink or layout.window))
 
 
+def byte_values(layout, max_query_len: int) -> bool:
+    """Whether the kernel takes 2-bit codebook values as byte words (`BYTE_VALUES`)."""
+    on = BYTE_VALUES if max_query_len <= 1 else BYTE_VALUES_VERIFY
+    return bool(on) and layout.val_mode == CODEBOOK and layout.val_bits == 2
+
+
 def v3_bytes(layout, n_cols: int) -> bool:
     """Whether the kernel reads 3-bit min-max values as byte tiles (`paged_decode.MINMAX3_BYTES`):
     decode steps (at most 8 columns) only."""
@@ -267,6 +288,7 @@ def plan(
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
+    key += (byte_values(layout, max_query_len),)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -366,6 +388,17 @@ def _acc_cols(
 ):  # fmt: skip
     """acc_j^T [d / S, N] plus the value slice j [d / S, keys] times p^T [keys, N]."""
     return tl.dot(_v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T), pv, acc, input_precision=PREC)
+
+
+@triton.jit
+def _value_slice(
+    vw, j: tl.constexpr, vcb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, PK_T: tl.constexpr,
+    VB8: tl.constexpr,
+):  # fmt: skip
+    """Value slice j [d / S, keys]: byte words four per register (`byte_values`, on the GPU) or `_v_slice`."""
+    if VB8 and ASM != "":
+        return _asm_slice4(vw, ASM).to(PK_T)
+    return _v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T)
 
 
 @triton.jit
@@ -480,11 +513,13 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
+    VB8: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
     KRAW: tl.constexpr = KASM0 != ""
-    VRAW: tl.constexpr = 3 if V3_BYTES else (VASM0 != "")  # 3-bit min-max values as byte tiles (`v3_bytes`)
+    # 3-bit min-max values as byte tiles (`v3_bytes`), 2-bit codebook values as byte words (`byte_values`)
+    VRAW: tl.constexpr = 3 if V3_BYTES else 2 if VB8 else (VASM0 != "")
     pid_rh = tl.program_id(0)
     pid_s = tl.program_id(1)
     req = pid_rh // HKV
@@ -674,36 +709,36 @@ def _narrow_decode_kernel(
                     b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
             pv2 = (p2 * vsc[:, None]).to(pk_t)
         # each decoded value slice serves both column groups
-        v = _v_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+        v = _value_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
         a0 = tl.dot(v, pv, a0, input_precision=PREC)
         if N2 > 0:
             b0 = tl.dot(v, pv2, b0, input_precision=PREC)
-        v = _v_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t)
+        v = _value_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, VB8)
         a1 = tl.dot(v, pv, a1, input_precision=PREC)
         if N2 > 0:
             b1 = tl.dot(v, pv2, b1, input_precision=PREC)
-        v = _v_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t)
+        v = _value_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, VB8)
         a2 = tl.dot(v, pv, a2, input_precision=PREC)
         if N2 > 0:
             b2 = tl.dot(v, pv2, b2, input_precision=PREC)
-        v = _v_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t)
+        v = _value_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, VB8)
         a3 = tl.dot(v, pv, a3, input_precision=PREC)
         if N2 > 0:
             b3 = tl.dot(v, pv2, b3, input_precision=PREC)
         if SV == 8:
-            v = _v_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+            v = _value_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
             a4 = tl.dot(v, pv, a4, input_precision=PREC)
             if N2 > 0:
                 b4 = tl.dot(v, pv2, b4, input_precision=PREC)
-            v = _v_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+            v = _value_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
             a5 = tl.dot(v, pv, a5, input_precision=PREC)
             if N2 > 0:
                 b5 = tl.dot(v, pv2, b5, input_precision=PREC)
-            v = _v_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+            v = _value_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
             a6 = tl.dot(v, pv, a6, input_precision=PREC)
             if N2 > 0:
                 b6 = tl.dot(v, pv2, b6, input_precision=PREC)
-            v = _v_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t)
+            v = _value_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
             a7 = tl.dot(v, pv, a7, input_precision=PREC)
             if N2 > 0:
                 b7 = tl.dot(v, pv2, b7, input_precision=PREC)
@@ -792,7 +827,7 @@ def launch(
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
-        QROT=rot is not None, RSQRT_D=d**-0.5,
+        QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
