@@ -114,11 +114,6 @@ QROT = 0
 # `paged_decode.pair_tables`).
 BYTE_VALUES = 1
 BYTE_VALUES_VERIFY = 1
-# Exact-copy layouts: the exact-pairs programs (split 0, a few dozen keys each) launch after the packed
-# ones. The planner fills one wave with packed programs (`pick_splits`), so launched first the exact
-# ones would push the last packed programs past the wave: those then start only as the exact ones
-# finish, and end that much later. Last, they run in the slots the packed programs leave over.
-EXACT_LAST = 1
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -518,7 +513,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    VB8: tl.constexpr, EXACT_LAST: tl.constexpr,
+    VB8: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -527,8 +522,6 @@ def _narrow_decode_kernel(
     VRAW: tl.constexpr = 3 if V3_BYTES else 2 if VB8 else (VASM0 != "")
     pid_rh = tl.program_id(0)
     pid_s = tl.program_id(1)
-    if HAS_EXACT and EXACT_LAST:  # the exact-pairs programs (split 0) are the grid's last row
-        pid_s = (pid_s + 1) % tl.num_programs(1)
     req = pid_rh // HKV
     kvh = pid_rh % HKV
     q_start = tl.load(qsl_ptr + req)
@@ -835,7 +828,6 @@ def launch(
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
-        EXACT_LAST=bool(EXACT_LAST),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
