@@ -18,7 +18,9 @@ column groups (16 + 8) share each decoded slice (`col_groups`: 4bit_nc 32 x 5 x 
 the H100, eighteenth session). The decoding of the packed words is the same elementwise slice
 decoders as `paged_decode` (inline-PTX shuffles / magic numbers on the GPU, fp16 gathers in the
 interpreter): a register pair holds two consecutive words of one key (scores) or one word of two
-consecutive keys (values), as there. Split-K fills one wave of resident programs (`pick_splits`).
+consecutive keys (values), as there, except 2-bit codebook values: their byte words stay bytes, four
+per register, decoded by byte permutes (`byte_values`, `paged_decode.prmt_slices_b8`). Split-K fills
+one wave of resident programs (`pick_splits`).
 
 Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_COLS columns over the
 `paged_decode.eligible` layouts (2- / 3- / 4-bit codebook keys, 2- / 3- / 4-bit codebook or min-max
@@ -111,7 +113,9 @@ QROT = 0
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
 # (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
 # decoders take 2.5 and a byte -> 16-bit unpacking), in decode / wider steps (0: the word decoders of
-# `paged_decode.pair_tables`).
+# `paged_decode.pair_tables`). tq3's 64-key decode tile: 2,022 -> 1,832 instructions (sm_90 SASS).
+# H100, nineteenth session, CUDA-graph replays, off -> on: tq3 32 x 32K 0.489 -> 0.467 ms, 1 x 128K
+# 0.0832 -> 0.0804, verify 32 x 5 x 32K 0.863 -> 0.845; tq_k4v2_ub verify 0.788 -> 0.732.
 BYTE_VALUES = 1
 BYTE_VALUES_VERIFY = 1
 NUM_WARPS = 1
