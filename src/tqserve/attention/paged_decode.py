@@ -344,13 +344,10 @@ def shfl_pair_slices(codebook16) -> tuple[str, str, str, str]:
     return tuple(out)
 
 
-def prmt_pair_slices(codebook16) -> tuple[str, str, str, str]:
-    """`shfl_pair_slices`' contract (2-bit codes at bits 2j and 16 + 2j of $1 -> fp16x2 (c[a], c[b]))
-    without a shuffle: the 4 centroids are 8 bytes in two registers, and one PRMT picks both halves'
-    bytes with the selector nibbles (2a, 2a + 1, 2b, 2b + 1), built by one multiply-add of the masked
-    codes (a * 0x22 + 0x10 in byte 0, b * 0x22 + 0x10 in byte 2) and a PRMT that joins those bytes.
-    Five integer instructions per pair (four for j = 0) instead of three and a shuffle: the shuffles
-    leave the MIO pipe, which the key lookups and shared-memory loads share (`PAIR_TABLES` = 2)."""
+def _prmt_decoders(codebook16, temps: str, src: str, mask: str, bias: str, tail: str) -> tuple[str, str, str, str]:
+    """The byte-permute decoders' common frame, slice j = 0..3: the 4 centroids as 8 bytes in T0 / T1,
+    the codes of slice j shifted down from `src`, masked, and made selector bytes by one multiply-add
+    (c * 0x22 + 0x10: the nibbles 2c, 2c + 1 of centroid c's two bytes); `tail` does the permutes."""
     import torch
 
     assert codebook16.device.type == "cpu" and codebook16.numel() == 4
@@ -358,12 +355,22 @@ def prmt_pair_slices(codebook16) -> tuple[str, str, str, str]:
     t0, t1 = raw[0] | raw[1] << 16, raw[2] | raw[3] << 16
     out = []
     for j in range(4):
-        body = f".reg .b32 x, u, s, T0, T1;\nmov.b32 T0, {t0:#x};\nmov.b32 T1, {t1:#x};\n"
-        body += f"shr.u32 x, $1, {2 * j};\n" if j else "mov.b32 x, $1;\n"
-        body += "and.b32 x, x, 0x30003;\nmad.lo.u32 u, x, 0x22, 0x100010;\n"
-        body += "prmt.b32 s, u, 0, 0x0020;\nprmt.b32 $0, T0, T1, s;\n"
+        body = f".reg .b32 {temps}, T0, T1;\nmov.b32 T0, {t0:#x};\nmov.b32 T1, {t1:#x};\n"
+        body += f"shr.u32 x, {src}, {2 * j};\n" if j else f"mov.b32 x, {src};\n"
+        body += f"and.b32 x, x, {mask};\nmad.lo.u32 u, x, 0x22, {bias};\n" + tail
         out.append("{\n" + body + "}")
     return tuple(out)
+
+
+def prmt_pair_slices(codebook16) -> tuple[str, str, str, str]:
+    """`shfl_pair_slices`' contract (2-bit codes at bits 2j and 16 + 2j of $1 -> fp16x2 (c[a], c[b]))
+    without a shuffle: the 4 centroids are 8 bytes in two registers, and one PRMT picks both halves'
+    bytes with the selector nibbles (2a, 2a + 1, 2b, 2b + 1), built by one multiply-add of the masked
+    codes (a * 0x22 + 0x10 in byte 0, b * 0x22 + 0x10 in byte 2) and a PRMT that joins those bytes.
+    Five integer instructions per pair (four for j = 0) instead of three and a shuffle: the shuffles
+    leave the MIO pipe, which the key lookups and shared-memory loads share (`PAIR_TABLES` = 2)."""
+    tail = "prmt.b32 s, u, 0, 0x0020;\nprmt.b32 $0, T0, T1, s;\n"
+    return _prmt_decoders(codebook16, "x, u, s", "$1", "0x30003", "0x100010", tail)
 
 
 def prmt_slices_b8(codebook16) -> tuple[str, str, str, str]:
@@ -373,19 +380,8 @@ def prmt_slices_b8(codebook16) -> tuple[str, str, str, str]:
     (c * 0x22 + 0x10, no carry between bytes), whose low half picks words 0 and 1 and, shifted down,
     words 2 and 3. Six integer instructions per four codes (five for j = 0) where `prmt_pair_slices`
     takes ten and a byte -> 16-bit unpacking before it."""
-    import torch
-
-    assert codebook16.device.type == "cpu" and codebook16.numel() == 4
-    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
-    t0, t1 = raw[0] | raw[1] << 16, raw[2] | raw[3] << 16
-    out = []
-    for j in range(4):
-        body = f".reg .b32 x, u, v, T0, T1;\nmov.b32 T0, {t0:#x};\nmov.b32 T1, {t1:#x};\n"
-        body += f"shr.u32 x, $2, {2 * j};\n" if j else "mov.b32 x, $2;\n"
-        body += "and.b32 x, x, 0x03030303;\nmad.lo.u32 u, x, 0x22, 0x10101010;\n"
-        body += "prmt.b32 $0, T0, T1, u;\nshr.u32 v, u, 16;\nprmt.b32 $1, T0, T1, v;\n"
-        out.append("{\n" + body + "}")
-    return tuple(out)
+    tail = "prmt.b32 $0, T0, T1, u;\nshr.u32 v, u, 16;\nprmt.b32 $1, T0, T1, v;\n"
+    return _prmt_decoders(codebook16, "x, u, v", "$2", "0x03030303", "0x10101010", tail)
 
 
 def shfl_pair_slices_b8(codebook16) -> tuple[str, str, str, str]:
