@@ -7,26 +7,18 @@ those writes."""
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(__file__))
-
 from paged_cases import make_meta
+from triton_env import DEV, triton_kernels
 
 from tqserve.attention.backend import RingSnapshots
 from tqserve.attention.exact_refresh import refresh_exact
 from tqserve.attention.reference import KVCacheStore
 from tqserve.kvquant.presets import make_layer_format
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+pytestmark = triton_kernels
 
 
 def _store(preset: str, hkv: int, d: int, n_slots: int, gen: torch.Generator) -> KVCacheStore:

@@ -4,14 +4,10 @@ GPU: real model sizes and the layers' dispatch."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_env import DEV, INTERP, triton_kernels
 
 from tqserve import ops
 from tqserve.layers.norm import RMSNorm
@@ -20,11 +16,8 @@ from tqserve.ops.rms_norm import rms_norm
 from tqserve.ops.rope import rope_qk
 from tqserve.ops.silu_mul import silu_mul
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+pytestmark = triton_kernels
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _tol(dtype: torch.dtype, casts: int = 1) -> float:

@@ -11,18 +11,11 @@ gathers.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(__file__))
-
 from paged_cases import backend_step_errors, fill_context, make_meta
 from test_paged_attention import TOL, _check_one_step
+from triton_env import DEV, triton_kernels
 
 from tqserve.attention import paged_decode
 from tqserve.attention import paged_decode_narrow as narrow
@@ -30,9 +23,7 @@ from tqserve.attention.paged import layout_for_format, paged_attention
 from tqserve.attention.reference import KVCacheStore
 from tqserve.kvquant.presets import make_layer_format
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+pytestmark = triton_kernels
 
 # 4-bit keys with min-max values (vLLM's), with 2-bit codebook values + sink / window (tq3, tq3s),
 # 4-bit codebook values, 2-bit keys.

@@ -3,26 +3,16 @@ the Triton backend (store kernel + paged attention) for the gain-search presets.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(__file__))
-
 from paged_cases import backend_step_errors
+from triton_env import DEV, INTERP, triton_kernels
 
 from tqserve.kvquant.packing import unpack_bits
 from tqserve.kvquant.presets import make_layer_format
 from tqserve.kvquant.store_triton import MINMAX, TQ, TQ_DENSE, StorePlan, store_kv
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-if DEV.type == "cpu" and not INTERP:
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+pytestmark = triton_kernels
 
 
 def _recon_err(fmt, pages, x: torch.Tensor, slots: torch.Tensor, side: str) -> torch.Tensor:
