@@ -118,6 +118,7 @@ QROT = 0
 # 0.0832 -> 0.0804, verify 32 x 5 x 32K 0.863 -> 0.845; tq_k4v2_ub verify 0.788 -> 0.732.
 BYTE_VALUES = 1
 BYTE_VALUES_VERIFY = 1
+VALUE_ROWS = 1
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -231,6 +232,11 @@ def byte_values(layout, max_query_len: int) -> bool:
     return bool(on) and layout.val_mode == CODEBOOK and layout.val_bits == 2
 
 
+def value_rows(layout, max_query_len: int) -> bool:
+    """Whether the kernel reorders the value words' rows (`VALUE_ROWS`, byte-word values only)."""
+    return bool(VALUE_ROWS) and byte_values(layout, max_query_len)
+
+
 def v3_bytes(layout, n_cols: int) -> bool:
     """Whether the kernel reads 3-bit min-max values as byte tiles (`paged_decode.MINMAX3_BYTES`):
     decode steps (at most 8 columns) only."""
@@ -292,7 +298,7 @@ def plan(
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
-    key += (byte_values(layout, max_query_len),)
+    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -380,8 +386,29 @@ def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
 
 
 @triton.jit
-def _store_cols(obase, acc, l_safe, h_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
-    g = tl.arange(0, D // S)
+def _word_rows(K: tl.constexpr, VPERM: tl.constexpr):
+    """The word of each accumulator row: the row itself, or with VPERM (`_value_rows`) word
+    (K / 8) (row % 8) + row // 8."""
+    r = tl.arange(0, K)
+    if VPERM:
+        return (K // 8) * (r % 8) + r // 8
+    return r
+
+
+@triton.jit
+def _value_rows(vw, VPERM: tl.constexpr):
+    """Value words [K, keys] with the rows reordered (VPERM) so that the rows r, r + 8, r + 16, ... one
+    thread holds in the dot's A operand are adjacent bytes of a key (one shared-memory load)."""
+    if VPERM:
+        K: tl.constexpr = vw.shape[0]
+        BN: tl.constexpr = vw.shape[1]
+        return tl.reshape(tl.permute(tl.reshape(vw, (8, K // 8, BN)), (1, 0, 2)), (K, BN))
+    return vw
+
+
+@triton.jit
+def _store_cols(obase, acc, l_safe, h_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr, VPERM: tl.constexpr):
+    g = _word_rows(D // S, VPERM)
     tl.store(obase + g[:, None] * S + j, (acc / l_safe[None, :]).to(obase.dtype.element_ty), mask=h_ok[None, :])
 
 
@@ -517,7 +544,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    VB8: tl.constexpr,
+    VB8: tl.constexpr, VPERM: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -620,7 +647,7 @@ def _narrow_decode_kernel(
         nmask = n < hi
         tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
         kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW)  # [keys, words]
-        vw = _words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW)  # [words, keys]
+        vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
         ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
         vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
         # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
@@ -751,30 +778,30 @@ def _narrow_decode_kernel(
     l_safe = _finish_group(
         obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, HAS_EXACT, SPLIT
     )
-    _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SV, D)
-    _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SV, D)
-    _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SV, D)
-    _store_cols(obase, a3 + vs, l_safe, h_ok, 3, SV, D)
+    _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SV, D, VPERM)
+    _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SV, D, VPERM)
+    _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SV, D, VPERM)
+    _store_cols(obase, a3 + vs, l_safe, h_ok, 3, SV, D, VPERM)
     if SV == 8:
-        _store_cols(obase, a4 + vs, l_safe, h_ok, 4, SV, D)
-        _store_cols(obase, a5 + vs, l_safe, h_ok, 5, SV, D)
-        _store_cols(obase, a6 + vs, l_safe, h_ok, 6, SV, D)
-        _store_cols(obase, a7 + vs, l_safe, h_ok, 7, SV, D)
+        _store_cols(obase, a4 + vs, l_safe, h_ok, 4, SV, D, VPERM)
+        _store_cols(obase, a5 + vs, l_safe, h_ok, 5, SV, D, VPERM)
+        _store_cols(obase, a6 + vs, l_safe, h_ok, 6, SV, D, VPERM)
+        _store_cols(obase, a7 + vs, l_safe, h_ok, 7, SV, D, VPERM)
     if N2 > 0:
         obase2 = out_ptr + pid_s * stride_os + tok_c2[None, :] * stride_ot + hq2[None, :] * (NPART * D)
         vs2 = vsum2[None, :]
         l_safe2 = _finish_group(
             obase2, lse_ptr + pid_s * stride_ls + tok_c2 * stride_lt + hq2, m_i2, l_i2, h_ok2, D, HAS_EXACT, SPLIT
         )  # fmt: skip
-        _store_cols(obase2, b0 + vs2, l_safe2, h_ok2, 0, SV, D)
-        _store_cols(obase2, b1 + vs2, l_safe2, h_ok2, 1, SV, D)
-        _store_cols(obase2, b2 + vs2, l_safe2, h_ok2, 2, SV, D)
-        _store_cols(obase2, b3 + vs2, l_safe2, h_ok2, 3, SV, D)
+        _store_cols(obase2, b0 + vs2, l_safe2, h_ok2, 0, SV, D, VPERM)
+        _store_cols(obase2, b1 + vs2, l_safe2, h_ok2, 1, SV, D, VPERM)
+        _store_cols(obase2, b2 + vs2, l_safe2, h_ok2, 2, SV, D, VPERM)
+        _store_cols(obase2, b3 + vs2, l_safe2, h_ok2, 3, SV, D, VPERM)
         if SV == 8:
-            _store_cols(obase2, b4 + vs2, l_safe2, h_ok2, 4, SV, D)
-            _store_cols(obase2, b5 + vs2, l_safe2, h_ok2, 5, SV, D)
-            _store_cols(obase2, b6 + vs2, l_safe2, h_ok2, 6, SV, D)
-            _store_cols(obase2, b7 + vs2, l_safe2, h_ok2, 7, SV, D)
+            _store_cols(obase2, b4 + vs2, l_safe2, h_ok2, 4, SV, D, VPERM)
+            _store_cols(obase2, b5 + vs2, l_safe2, h_ok2, 5, SV, D, VPERM)
+            _store_cols(obase2, b6 + vs2, l_safe2, h_ok2, 6, SV, D, VPERM)
+            _store_cols(obase2, b7 + vs2, l_safe2, h_ok2, 7, SV, D, VPERM)
 
 
 def launch(
@@ -832,6 +859,7 @@ def launch(
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
+        VPERM=value_rows(layout, meta.max_query_len),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
