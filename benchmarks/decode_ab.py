@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 
 from test_paged_attention import _check_one_step  # noqa: E402
 
-from tqserve.attention import paged_decode  # noqa: E402
+from tqserve.attention import finish, paged_decode  # noqa: E402
 from tqserve.attention import paged_decode_narrow as narrow  # noqa: E402
 from tqserve.bench.kernels import Case, _bench, copy_bandwidth, sdpa_decode_ms  # noqa: E402
 
@@ -53,11 +53,12 @@ def checks() -> None:
 
 def _apply(variant: str) -> str:
     """Set decode-kernel knobs from "NAME=VALUE;narrow.NAME=VALUE" (`paged_decode`, or with the prefix
-    `paged_decode_narrow`); returns the string that undoes it."""
+    `narrow.` / `finish.` those of `paged_decode_narrow` / `finish`); returns the string that undoes it."""
     undo = []
     for kv in filter(None, variant.split(";")):
         name, val = kv.split("=")
-        module, attr = (narrow, name[len("narrow.") :]) if name.startswith("narrow.") else (paged_decode, name)
+        prefix, _, attr = name.rpartition(".")
+        module = {"": paged_decode, "narrow": narrow, "finish": finish}[prefix]
         old = getattr(module, attr)
         undo.append(f"{name}={int(old) if isinstance(old, bool) else old}")
         setattr(module, attr, type(old)(int(val) if val.isdigit() else val))
@@ -71,7 +72,11 @@ def ab(
     cases=((32, 32768, 1), (1, 131072, 1), (32, 32768, 5)),
     lookups=("shfl", "prmt"),
     variants=("",),
+    rounds: int = 1,
+    general: bool = True,
 ) -> None:
+    """Times every variant `rounds` times, the variants interleaved within each round (so a drift of
+    the card's clock over the run lands on all of them), and reports each one's median and range."""
     bw = copy_bandwidth(dev)
     row(copy_GBps=bw)
     hq, hkv, d = heads
@@ -84,22 +89,27 @@ def ab(
         for p in presets:
             c = Case(p, n_req, ctx, ql, hq, hkv, d, dev)
             paged_decode.ENABLED = False
-            old = _bench(c.run)
+            old = _bench(c.run) if general else float("nan")
             c.run()
             ref = c.out.float().clone()
             paged_decode.ENABLED = True
             paged_decode.MAX_QUERY_LEN = ql
             for lookup in lookups:
-                for variant in variants:
-                    paged_decode.LOOKUP = lookup
-                    undo = _apply(variant)
-                    new = _bench(c.run)
-                    c.run()
-                    err = float((c.out.float() - ref).norm() / ref.norm())
+                times: dict[str, list[float]] = {v: [] for v in variants}
+                errs: dict[str, float] = {}
+                for _ in range(rounds):
+                    for variant in variants:
+                        paged_decode.LOOKUP = lookup
+                        undo = _apply(variant)
+                        times[variant].append(_bench(c.run))
+                        c.run()
+                        errs[variant] = float((c.out.float() - ref).norm() / ref.norm())
+                        _apply(undo)
+                for variant, ts in times.items():
+                    new = sorted(ts)[len(ts) // 2]
                     row(shape=shape, preset=p, lookup=lookup, variant=variant or "-", general_ms=old,
-                        sliced_ms=new, speedup=old / new, sliced_vs_sdpa=sd / new, of_copy=c.bytes / new / 1e6 / bw,
-                        diff=err)  # fmt: skip
-                    _apply(undo)
+                        sliced_ms=new, lo=min(ts), hi=max(ts), speedup=old / new, sliced_vs_sdpa=sd / new,
+                        of_copy=c.bytes / new / 1e6 / bw, diff=errs[variant])  # fmt: skip
             paged_decode.LOOKUP, paged_decode.MAX_QUERY_LEN = saved
             del c
             torch.cuda.empty_cache()
@@ -115,6 +125,8 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="paged_decode knob sets to time, e.g. 'BLOCK_N=64,SMALL_BLOCK_N=64'")
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (no host launch overhead)")
     ap.add_argument("--no-checks", action="store_true", help="skip the real-size reference checks")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the variants (median reported)")
+    ap.add_argument("--no-general", action="store_true", help="don't time the general kernel")
     args = ap.parse_args()
     dev = torch.device("cuda")
     if not args.no_checks:
@@ -126,7 +138,10 @@ def main() -> None:
 
         kernels.GRAPHS = True
     variants = tuple(v.replace(":", ";") for v in args.variants.split(",")) if args.variants else ("",)
-    ab(args.presets.split(","), dev, heads, cases, tuple(args.lookups.split(",")), variants)
+    ab(
+        args.presets.split(","), dev, heads, cases, tuple(args.lookups.split(",")), variants, args.rounds,
+        not args.no_general,
+    )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ROWS, f, indent=1)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tqserve.attention import finish
 from tqserve.attention.finish import combine_splits, finish_parts
 
 pytestmark = pytest.mark.skipif(
@@ -49,11 +50,18 @@ def _want(part, lse, splits, npart, rot, num_tokens, d):
         (1, 2, False, 64, torch.float32),
         (3, 1, False, 64, torch.bfloat16),
         (3, 2, True, 128, torch.float32),
+        (5, 1, True, 64, torch.bfloat16),
+        (9, 2, False, 64, torch.float16),
+        (16, 2, True, 80, torch.bfloat16),
         (40, 2, True, 80, torch.bfloat16),
         (257, 1, True, 128, torch.float16),
     ],
 )
-def test_finish_parts_matches_torch(splits, npart, rotated, d, dtype):
+@pytest.mark.parametrize("fused", [1, 0])
+def test_finish_parts_matches_torch(splits, npart, rotated, d, dtype, fused, monkeypatch):
+    """Every split count, width and output dtype, through the fused combine + finish launch where it
+    takes the step (`combine_finish_fits`) and through the two launches."""
+    monkeypatch.setattr(finish, "COMBINE_FINISH", fused)
     dev = _device()
     gen = torch.Generator().manual_seed(splits * 7 + d)
     T, hq, num_tokens = 5, 3, 4  # one graph-padding token

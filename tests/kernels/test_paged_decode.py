@@ -129,14 +129,16 @@ def test_launch_configs():
     assert narrow.launch_config(128, False, 8, False, 3) == (nw, narrow.BLOCK_N, narrow.NUM_STAGES, 0)
     k3v4 = (nw, narrow.BLOCK_N, narrow.K3V4_STAGES, narrow.MM4_MAXNREG)
     assert narrow.launch_config(128, False, 8, False, 4, 3) == k3v4
-    assert narrow.launch_config(128, True) == (nw, narrow.CB_VALUES_BLOCK_N, narrow.CB_VALUES_STAGES, 0)
+    cb = (nw, narrow.CB_VALUES_BLOCK_N, narrow.CB_VALUES_STAGES, narrow.CB_VALUES_MAXNREG)
+    assert narrow.launch_config(128, True) == cb
     assert narrow.launch_config(256, True) == (nw, narrow.WIDE_D_BLOCK_N, narrow.WIDE_D_STAGES, 0)
     assert narrow.launch_config(64, True) == (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES, 0)
     verify = (narrow.VERIFY_NUM_WARPS, narrow.VERIFY_BLOCK_N, narrow.VERIFY_STAGES, 0)
     assert narrow.launch_config(128, False, 32) == verify and narrow.launch_config(64, True, 32) == verify
     assert narrow.launch_config(64, True, 16) == narrow.launch_config(64, True, 8)
     # exact copies: their own table at d >= 128, a register cap at d < 128
-    assert narrow.launch_config(128, True, 8, True) == (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_STAGES, 0)
+    exact = (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_STAGES, narrow.EXACT_MAXNREG)
+    assert narrow.launch_config(128, True, 8, True) == exact
     assert narrow.launch_config(256, True, 8, True) == (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_WIDE_D_STAGES, 0)
     small_exact = (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES)
     assert narrow.launch_config(64, True, 8, True) == (*small_exact, narrow.SMALL_D_EXACT_DECODE_MAXNREG)

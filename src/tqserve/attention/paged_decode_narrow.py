@@ -126,6 +126,10 @@ CB_VALUES_BLOCK_N = 64
 # d = 128 decode over codebook values: 3 stages (H100, fifteenth session, tq_k4v4_ub 2 -> 3: 32 x 32K 0.579 ->
 # 0.566 ms, 1 x 128K 0.0979 -> 0.0965; capped at 168: 0.647; 32-key tiles x 128: 0.580)
 CB_VALUES_STAGES = 3
+# ... and a register cap of 168 (12 one-warp programs per SM instead of 8 at 254 registers; H100,
+# twentieth session, same call: tq_k4v4_ub 32 x 32K 0.5955 -> 0.5699 ms, 0.5977 -> 0.5717 in a second
+# set; tq_k4v2_ub 0.5005 -> 0.4981; 1 x 128K unchanged)
+CB_VALUES_MAXNREG = 168
 # d = 128 decode with 4-bit min-max values (no exact copies): the word loads of the scalars take 14
 # registers more (142), which would cost 4 of 16 programs per SM; capped, 4bit_nc 32 x 32K 0.562 ->
 # 0.527 ms in an A/B build (no spills; 0.478 with the zeros loaded where the softmax uses them, as the
@@ -140,6 +144,7 @@ WIDE_D_STAGES = 2
 # 3 stages at d = 128 (H100, fifteenth session, 2 -> 3 stages: 32 x 32K 0.545 -> 0.528 ms, 1 x 128K 0.0867 ->
 # 0.0840; 243 registers; capped at 168 / 200: 0.541 / 0.594; 128-key tiles 0.610; 32-key tiles x 168 0.561)
 EXACT_BLOCK_N = 64
+EXACT_MAXNREG = 0  # register cap of d = 128 decode with exact copies (0: none)
 EXACT_STAGES = 3
 EXACT_WIDE_D_STAGES = 2
 SMALL_D_BLOCK_N = 64
@@ -197,11 +202,12 @@ def launch_config(
         cap = (SMALL_D_EXACT_DECODE_MAXNREG if n_cols <= 8 else SMALL_D_EXACT_MAXNREG) if exact else MAXNREG
         return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES, cap
     if exact:
-        return NUM_WARPS, EXACT_BLOCK_N, EXACT_STAGES if head_dim == 128 else EXACT_WIDE_D_STAGES, MAXNREG
+        stages = EXACT_STAGES if head_dim == 128 else EXACT_WIDE_D_STAGES
+        return NUM_WARPS, EXACT_BLOCK_N, stages, MAXNREG or (EXACT_MAXNREG if head_dim == 128 else 0)
     if head_dim > 128:
         return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES, MAXNREG
     if codebook_values:
-        return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES, MAXNREG
+        return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES, MAXNREG or CB_VALUES_MAXNREG
     cap = MAXNREG or (MM4_MAXNREG if val_bits == 4 and PAIR_SCALARS else 0)
     return NUM_WARPS, BLOCK_N, K3V4_STAGES if (key_bits, val_bits) == (3, 4) else NUM_STAGES, cap
 
