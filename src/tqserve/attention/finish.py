@@ -97,13 +97,17 @@ def _finish_kernel(
 
 
 @triton.jit
-def _combined(base, w, smask, live, cols, cmask):
-    """sum_s w[s, m] part[s, m, cols] ([SP, BM] normalized weights; a split whose weight is 0 may
-    have written anything)."""
-    mask = smask[:, None, None] & live[None, :, None] & cmask[None, None, :]
-    p = tl.load(base + cols[None, None, :], mask=mask, other=0.0)
-    p = tl.where(w[:, :, None] > 0.0, p, 0.0)
-    return tl.sum(w[:, :, None] * p, 0)
+def _combined(base, stride_ps, wsum, live, cols, cmask, lse_ptr, stride_ls, m, mx, n_splits, SP: tl.constexpr):
+    """sum_s w[s, m] part[s, m, cols] / wsum[m], w = exp2(lse - mx), over the splits s < n_splits (a
+    static loop of 2-D tiles: no reduction across threads; a split whose weight is 0 may have written
+    anything)."""
+    acc = tl.zeros((m.shape[0], cols.shape[0]), dtype=tl.float32)
+    for s in tl.static_range(SP):
+        ok = live & (tl.zeros_like(m) + s < n_splits)
+        w = tl.exp2(tl.load(lse_ptr + s * stride_ls + m, mask=ok, other=float("-inf")) - mx)
+        p = tl.load(base + s * stride_ps + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
+        acc += w[:, None] * tl.where(w[:, None] > 0.0, p, 0.0)
+    return acc / wsum[:, None]
 
 
 @triton.jit(do_not_specialize=["n_splits", "rows", "n_out"])  # split count, tokens x heads
@@ -119,28 +123,28 @@ def _combine_finish_kernel(
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     live = m < rows
     cm = c < D
-    s = tl.arange(0, SP)
-    smask = s < n_splits
-    lse = tl.load(
-        lse_ptr + s[:, None] * stride_ls + m[None, :], mask=smask[:, None] & live[None, :], other=float("-inf")
-    )
-    mx = tl.max(lse, 0)
+    mx = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(SP):
+        ok = live & (tl.zeros_like(m) + s < n_splits)
+        mx = tl.maximum(mx, tl.load(lse_ptr + s * stride_ls + m, mask=ok, other=float("-inf")))
     mx = tl.where(mx > float("-inf"), mx, 0.0)  # rows without keys: every weight 0, no inf - inf
-    w = tl.exp2(lse - mx[None, :])
-    wsum = tl.sum(w, 0)
-    w = w / tl.where(wsum > 0.0, wsum, 1.0)[None, :]
-    base = part_ptr + s[:, None, None] * stride_ps + m.to(tl.int64)[None, :, None] * (NPART * D)
+    wsum = tl.zeros((BM,), dtype=tl.float32)
+    for s in tl.static_range(SP):
+        ok = live & (tl.zeros_like(m) + s < n_splits)
+        wsum += tl.exp2(tl.load(lse_ptr + s * stride_ls + m, mask=ok, other=float("-inf")) - mx)
+    wsum = tl.where(wsum > 0.0, wsum, 1.0)
+    base = part_ptr + m.to(tl.int64)[:, None] * (NPART * D)
     if ROTATED:
         res = tl.zeros((BM, BC), dtype=tl.float32)
         for k0 in tl.static_range(0, DP, BK):  # K chunks: the combined chunk goes straight into the dot
             k = k0 + tl.arange(0, BK)
-            y = _combined(base, w, smask, live, k, k < D)
+            y = _combined(base, stride_ps, wsum, live, k, k < D, lse_ptr, stride_ls, m, mx, n_splits, SP)
             r = tl.load(rot_ptr + k[:, None] * D + c[None, :], mask=(k < D)[:, None] & cm[None, :], other=0.0)
             res = tl.dot(y, r, res, input_precision=PREC)
     else:
-        res = _combined(base, w, smask, live, c, cm)
+        res = _combined(base, stride_ps, wsum, live, c, cm, lse_ptr, stride_ls, m, mx, n_splits, SP)
     if NPART == 2:
-        res += _combined(base + D, w, smask, live, c, cm)
+        res += _combined(base + D, stride_ps, wsum, live, c, cm, lse_ptr, stride_ls, m, mx, n_splits, SP)
     res = tl.where(live[:, None], res, 0.0)
     dst = out_ptr + (m // hq).to(tl.int64)[:, None] * stride_ot + (m % hq)[:, None] * D + c[None, :]
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(m < n_out)[:, None] & cm[None, :])
