@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tqserve.attention import finish
 from tqserve.attention.finish import combine_splits, finish_parts
 
 pytestmark = pytest.mark.skipif(
@@ -57,11 +56,7 @@ def _want(part, lse, splits, npart, rot, num_tokens, d):
         (257, 1, True, 128, torch.float16),
     ],
 )
-@pytest.mark.parametrize("fused", [1, 0])
-def test_finish_parts_matches_torch(splits, npart, rotated, d, dtype, fused, monkeypatch):
-    """Every split count, width and output dtype, through the fused combine + finish launch where it
-    takes the step (`combine_finish_fits`) and through the two launches."""
-    monkeypatch.setattr(finish, "COMBINE_FINISH", fused)
+def test_finish_parts_matches_torch(splits, npart, rotated, d, dtype):
     dev = _device()
     gen = torch.Generator().manual_seed(splits * 7 + d)
     T, hq, num_tokens = 5, 3, 4  # one graph-padding token

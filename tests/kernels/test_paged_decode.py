@@ -425,6 +425,28 @@ def test_narrow_value_decoders(byte_values, monkeypatch):
     assert got["vasm"] == (("v-prmt-bytes",) if byte_values else ("v-pair",)) * 4
 
 
+def test_narrow_value_rows_rule(monkeypatch):
+    """The value words' row order (`value_rows`): byte-word values only; decode steps, and verify steps of
+    exact-copy layouts (the tuned table)."""
+    tq3, k4v2, k4v4 = (_layout(p, 2, 128) for p in ("tq3", "tq_k4v2_nc", "tq_k4v4_ub"))
+    assert narrow.value_rows(tq3, 1) and narrow.value_rows(k4v2, 1) and not narrow.value_rows(k4v4, 1)
+    assert narrow.value_rows(tq3, 5) and not narrow.value_rows(k4v2, 5)
+    monkeypatch.setattr(narrow, "BYTE_VALUES", 0)
+    assert not narrow.value_rows(tq3, 1)
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+@pytest.mark.parametrize("preset", ["tq3", "tq_k4v2_nc"])
+def test_narrow_value_rows_match_reference(preset, rows, narrow_spy, monkeypatch):
+    """Decode and verify with the value words' rows in memory order and reordered (the accumulator rows
+    then name other output coordinates): both agree with the reference, d = 128 and 64."""
+    for knob in ("VALUE_ROWS", "VALUE_ROWS_VERIFY", "VALUE_ROWS_VERIFY_EXACT"):
+        monkeypatch.setattr(narrow, knob, rows)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=3)
+    _check_one_step(preset, 12, 3, 64, [300, 77, 150, 9], [5, 1, 3, 5], seed=6)
+    assert len(narrow_spy) == 2
+
+
 @pytest.mark.parametrize("preset", SLICED)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (12, 3, 64)])
 def test_verify_matches_reference(preset, hq, hkv, d, spy, monkeypatch):

@@ -10,10 +10,6 @@ at most, whatever the layout:
   still spreads over the SMs and each program's [splits, columns] tile stays in registers (one
   program per row over a [256, 256] tile spilled: tq3's combine took 31 us of a 129 us step at
   1 x 128K on the H100, eleventh session).
-- `_combine_finish_kernel` does both in one launch where the split count is small (at most
-  COMBINE_FINISH_SPLITS, the decode and verify steps of many requests): each program combines the
-  splits of its rows chunk by chunk of the head's coordinates and feeds each chunk straight into
-  the rotation dot, so the combined rows never go through memory.
 - `_finish_kernel` rotates the page part back (rows y R with the layer's value rotation, a
   tensor-core dot: `tf32x3` for 16-bit models, IEEE for float32 ones), adds the exact part, casts to
   the model's dtype and zeroes the graph-padding rows. It replaces a cuBLAS GEMM (two launches:
@@ -37,10 +33,6 @@ COMBINE_TILE = 4096
 FINISH_ROWS = 16
 FINISH_COLS = 64
 FINISH_K = 64  # rotation rows per dot
-# Largest split count `_combine_finish_kernel` takes (its [splits, rows, coordinates] tiles stay in
-# registers); more splits take the two launches. COMBINE_FINISH = 0 always takes the two (A/B runs).
-COMBINE_FINISH_SPLITS = 16
-COMBINE_FINISH = 1
 
 
 @triton.jit(do_not_specialize=["n_splits", "stride_ls"])  # split count, tokens x heads
@@ -96,86 +88,6 @@ def _finish_kernel(
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(m < n_out)[:, None] & cm[None, :])
 
 
-@triton.jit
-def _combined(base, stride_ps, wsum, live, cols, cmask, lse_ptr, stride_ls, m, mx, n_splits, SP: tl.constexpr):
-    """sum_s w[s, m] part[s, m, cols] / wsum[m], w = exp2(lse - mx), over the splits s < n_splits (a
-    static loop of 2-D tiles: no reduction across threads; a split whose weight is 0 may have written
-    anything)."""
-    acc = tl.zeros((m.shape[0], cols.shape[0]), dtype=tl.float32)
-    for s in tl.static_range(SP):
-        ok = live & (tl.zeros_like(m) + s < n_splits)
-        w = tl.exp2(tl.load(lse_ptr + s * stride_ls + m, mask=ok, other=float("-inf")) - mx)
-        p = tl.load(base + s * stride_ps + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
-        acc += w[:, None] * tl.where(w[:, None] > 0.0, p, 0.0)
-    return acc / wsum[:, None]
-
-
-@triton.jit(do_not_specialize=["n_splits", "rows", "n_out"])  # split count, tokens x heads
-def _combine_finish_kernel(
-    part_ptr, lse_ptr, rot_ptr, out_ptr, n_splits, rows, n_out, stride_ps, stride_ls, stride_ot, hq,
-    D: tl.constexpr, DP: tl.constexpr, NPART: tl.constexpr, SP: tl.constexpr, BK: tl.constexpr,
-    BM: tl.constexpr, BC: tl.constexpr, ROTATED: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """`_split_reduce_kernel` and `_finish_kernel` in one: output rows m (token m // hq, head m % hq),
-    columns [c0, c0 + BC) of (y R if ROTATED else y) + x, with y (and x, NPART == 2) the splits' partials
-    of row m weighted by exp2(lse - max) / sum; rows in [rows, n_out) get zeros."""
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    live = m < rows
-    cm = c < D
-    mx = tl.full((BM,), float("-inf"), dtype=tl.float32)
-    for s in tl.static_range(SP):
-        ok = live & (tl.zeros_like(m) + s < n_splits)
-        mx = tl.maximum(mx, tl.load(lse_ptr + s * stride_ls + m, mask=ok, other=float("-inf")))
-    mx = tl.where(mx > float("-inf"), mx, 0.0)  # rows without keys: every weight 0, no inf - inf
-    wsum = tl.zeros((BM,), dtype=tl.float32)
-    for s in tl.static_range(SP):
-        ok = live & (tl.zeros_like(m) + s < n_splits)
-        wsum += tl.exp2(tl.load(lse_ptr + s * stride_ls + m, mask=ok, other=float("-inf")) - mx)
-    wsum = tl.where(wsum > 0.0, wsum, 1.0)
-    base = part_ptr + m.to(tl.int64)[:, None] * (NPART * D)
-    if ROTATED:
-        res = tl.zeros((BM, BC), dtype=tl.float32)
-        for k0 in tl.static_range(0, DP, BK):  # K chunks: the combined chunk goes straight into the dot
-            k = k0 + tl.arange(0, BK)
-            y = _combined(base, stride_ps, wsum, live, k, k < D, lse_ptr, stride_ls, m, mx, n_splits, SP)
-            r = tl.load(rot_ptr + k[:, None] * D + c[None, :], mask=(k < D)[:, None] & cm[None, :], other=0.0)
-            res = tl.dot(y, r, res, input_precision=PREC)
-    else:
-        res = _combined(base, stride_ps, wsum, live, c, cm, lse_ptr, stride_ls, m, mx, n_splits, SP)
-    if NPART == 2:
-        res += _combined(base + D, stride_ps, wsum, live, c, cm, lse_ptr, stride_ls, m, mx, n_splits, SP)
-    res = tl.where(live[:, None], res, 0.0)
-    dst = out_ptr + (m // hq).to(tl.int64)[:, None] * stride_ot + (m % hq)[:, None] * D + c[None, :]
-    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(m < n_out)[:, None] & cm[None, :])
-
-
-def combine_finish_fits(splits: int) -> bool:
-    """Whether `_combine_finish_kernel` takes a step of `splits` splits."""
-    return bool(COMBINE_FINISH) and 1 < splits <= COMBINE_FINISH_SPLITS
-
-
-def _combine_finish(part, lse, rot, out, splits: int, npart: int, num_tokens: int) -> None:
-    """`_combine_finish_kernel` over out [T, hq, d] (heads and dims packed) from contiguous partials
-    part [splits, T, hq, npart * d] and lse [splits, T, hq]."""
-    T, hq, d = out.shape
-    _check_rotation(rot, d)
-    dp = max(16, triton.next_power_of_2(d))
-    sp = triton.next_power_of_2(splits)
-    grid = (triton.cdiv(T * hq, FINISH_ROWS), triton.cdiv(d, FINISH_COLS))
-    _combine_finish_kernel[grid](
-        part, lse, rot if rot is not None else part, out, splits, num_tokens * hq, T * hq,
-        part.stride(0), lse.stride(0), out.stride(0), hq,
-        D=d, DP=dp, NPART=npart, SP=sp, BK=min(dp, FINISH_K if sp <= 8 else FINISH_K // 2), BM=FINISH_ROWS,
-        BC=FINISH_COLS, ROTATED=rot is not None, PREC="ieee" if out.dtype == torch.float32 else "tf32x3",
-    )  # fmt: skip
-
-
-def _check_rotation(rot, d: int) -> None:
-    if rot is not None and (rot.shape != (d, d) or not rot.is_contiguous() or rot.dtype != torch.float32):
-        raise ValueError(f"the value rotation must be a contiguous float32 [{d}, {d}] matrix")
-
-
 def combine_width(splits: int, w: int) -> int:
     """Columns per combine program: the row's whole width unless [splits, width] passes COMBINE_TILE."""
     return max(16, min(triton.next_power_of_2(w), COMBINE_TILE // triton.next_power_of_2(splits)))
@@ -194,7 +106,8 @@ def combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int
 def _finish(src: torch.Tensor, rot: torch.Tensor | None, out: torch.Tensor, npart: int, num_tokens: int) -> None:
     """`_finish_kernel` over out [T, hq, d] (heads and dims packed) from src rows [T * hq, npart * d]."""
     T, hq, d = out.shape
-    _check_rotation(rot, d)
+    if rot is not None and (rot.shape != (d, d) or not rot.is_contiguous() or rot.dtype != torch.float32):
+        raise ValueError(f"the value rotation must be a contiguous float32 [{d}, {d}] matrix")
     exact = npart == 2
     dp = max(16, triton.next_power_of_2(d))
     prec = "ieee" if out.dtype == torch.float32 else "tf32x3"
@@ -218,9 +131,6 @@ def finish_parts(part, lse, out, splits: int, npart: int, layout, meta, T: int, 
     lse: [splits, T, hq]. Returns `out`."""
     rotated = layout.rotated_values
     tail = rotated or npart == 2
-    if tail and combine_finish_fits(splits) and _packed_rows(out) and part.is_contiguous() and lse.is_contiguous():
-        _combine_finish(part, lse, layout.val_rotation if rotated else None, out, splits, npart, meta.num_tokens)
-        return out
     if splits > 1:
         w = npart * d
         red = out if not tail else torch.empty((T, hq, w), device=out.device, dtype=torch.float32)
@@ -261,9 +171,3 @@ def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device
     for npart in sorted(tail_widths):
         src = torch.zeros((hq, npart * d), device=device, dtype=torch.float32)
         _finish(src, layout.val_rotation if rotated else None, out, npart, 1)
-        splits = 2
-        while combine_finish_fits(splits):
-            part = torch.zeros((splits, 1, hq, npart * d), device=device, dtype=torch.float32)
-            lse = torch.zeros((splits, 1, hq), device=device, dtype=torch.float32)
-            _combine_finish(part, lse, layout.val_rotation if rotated else None, out, splits, npart, 1)
-            splits *= 2

@@ -118,7 +118,16 @@ QROT = 0
 # 0.0832 -> 0.0804, verify 32 x 5 x 32K 0.863 -> 0.845; tq_k4v2_ub verify 0.788 -> 0.732.
 BYTE_VALUES = 1
 BYTE_VALUES_VERIFY = 1
-VALUE_ROWS = 1
+# The byte words' rows reordered (`_value_rows`): word (d / 32) r + m goes to row 8 m + r, so the rows
+# r, r + 8, r + 16, r + 24 that one thread holds in the value dot's A operand are 4 adjacent bytes of a
+# key: one 32-bit shared-memory load where it took 4 byte loads (tq3's 64-key decode tile: 64 LDS.U8 ->
+# 16 LDS.32 + 4 LDS.128, 1,832 -> 1,828 SASS instructions, the value copies 8- -> 16-byte cp.async).
+# H100, twentieth session, CUDA-graph replays, medians of 3 interleaved rounds, same call (on / off):
+# tq_k4v2_ub decode 32 x 32K 0.4981 / 0.5348 ms; tq3 decode (with EXACT_MAXNREG = 168) 0.4635 /
+# 0.4859; tq3 verify 32 x 5 x 32K 0.8246 / 0.8433; tq_k4v2_ub verify 0.7532 / 0.7372 (so off there).
+VALUE_ROWS = 1  # decode
+VALUE_ROWS_VERIFY = 0  # verify, layouts without exact copies
+VALUE_ROWS_VERIFY_EXACT = 1  # verify, layouts with exact copies
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -144,7 +153,11 @@ WIDE_D_STAGES = 2
 # 3 stages at d = 128 (H100, fifteenth session, 2 -> 3 stages: 32 x 32K 0.545 -> 0.528 ms, 1 x 128K 0.0867 ->
 # 0.0840; 243 registers; capped at 168 / 200: 0.541 / 0.594; 128-key tiles 0.610; 32-key tiles x 168 0.561)
 EXACT_BLOCK_N = 64
-EXACT_MAXNREG = 0  # register cap of d = 128 decode with exact copies (0: none)
+# d = 128 decode with exact copies: a register cap of 168, 12 one-warp programs per SM instead of 8 at
+# 254 registers (H100, twentieth session, tq3 32 x 32K, medians of 3 rounds, value rows on: 0.4749 ->
+# 0.4635 ms; 0.4645 against 0.4649 / 0.476 in another call; with the value rows off the cap costs:
+# 0.4705 -> 0.4859)
+EXACT_MAXNREG = 168
 EXACT_STAGES = 3
 EXACT_WIDE_D_STAGES = 2
 SMALL_D_BLOCK_N = 64
@@ -152,6 +165,8 @@ SMALL_D_STAGES = 3
 VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
 VERIFY_BLOCK_N = 32
 VERIFY_STAGES = 3
+VERIFY_EXACT_MAXNREG = 0  # register caps of d = 128 verify steps (0: none), exact-copy layouts
+VERIFY_CB_MAXNREG = 0  # ... and codebook values without exact copies
 # Split-K fills one wave: (request, KV head) pairs x splits <= the programs the SMs keep resident
 # (from the compiled kernel's registers and shared memory, `resident_per_sm`; a guess by key tile
 # until the first launch). A second, partial wave costs a whole program time (H100, 32 x 32K:
@@ -197,7 +212,8 @@ def launch_config(
 ) -> tuple[int, int, int, int]:
     """(warps, key tile, pipeline stages, register cap or 0)."""
     if n_cols > 16:
-        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES, MAXNREG
+        cap = VERIFY_EXACT_MAXNREG if exact else VERIFY_CB_MAXNREG if codebook_values else 0
+        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES, MAXNREG or (cap if head_dim == 128 else 0)
     if head_dim < 128:
         cap = (SMALL_D_EXACT_DECODE_MAXNREG if n_cols <= 8 else SMALL_D_EXACT_MAXNREG) if exact else MAXNREG
         return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES, cap
@@ -240,7 +256,11 @@ def byte_values(layout, max_query_len: int) -> bool:
 
 def value_rows(layout, max_query_len: int) -> bool:
     """Whether the kernel reorders the value words' rows (`VALUE_ROWS`, byte-word values only)."""
-    return bool(VALUE_ROWS) and byte_values(layout, max_query_len)
+    if max_query_len <= 1:
+        on = VALUE_ROWS
+    else:
+        on = VALUE_ROWS_VERIFY_EXACT if layout.sink or layout.window else VALUE_ROWS_VERIFY
+    return bool(on) and byte_values(layout, max_query_len)
 
 
 def v3_bytes(layout, n_cols: int) -> bool:
