@@ -629,16 +629,18 @@ def _narrow_decode_kernel(
     kvh = pid_rh % HKV
     q_start = tl.load(qsl_ptr + req)
     qlen = tl.load(qsl_ptr + req + 1) - q_start
-    seq_len = tl.load(seqlen_ptr + req)  # beside the offsets: one round trip for both
     packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
     lo = packed_s * split_n
     if PREFETCH > 0:
+        seq_len = tl.load(seqlen_ptr + req)  # beside the offsets: one round trip for both
         _prefetch_first_pages(
             bt_ptr + req * stride_bt, stride_bt, lo, seq_len, split_n, kvh, kp_ptr, vp_ptr, ks_ptr, vs_ptr, vz_ptr,
             HKV, BS, D * KEY_BITS // 8, D * VAL_BITS // 8, PREFETCH, VAL_MODE == 2,
         )  # fmt: skip
     if qlen == 0:  # a request without query tokens (graph padding)
         return
+    if PREFETCH == 0:
+        seq_len = tl.load(seqlen_ptr + req)
     hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
 
     # columns: (query token t, head h of the group), t-major; padded columns have zero queries. With
