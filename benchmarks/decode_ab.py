@@ -7,6 +7,8 @@ PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --heads 9,3,64 -
 PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --graphs --lookups shfl,prmt \
     --variants 'BLOCK_N=64,SMALL_NUM_WARPS=2:SMALL_BLOCK_N=64,narrow.ENABLED=0'   (decoders and knob
     sets, graph replays; `narrow.` knobs are attention/paged_decode_narrow.py's)
+PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --no-general --rounds 3 --graphs --lookups shfl \
+    --variants ',narrow.VALUE_ROWS=0'   (each variant timed 3 times, interleaved; median and range reported)
 """
 
 from __future__ import annotations
