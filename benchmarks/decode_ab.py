@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 
 from test_paged_attention import _check_one_step  # noqa: E402
 
-from tqserve.attention import paged_decode  # noqa: E402
+from tqserve.attention import finish, paged_decode  # noqa: E402
 from tqserve.attention import paged_decode_narrow as narrow  # noqa: E402
 from tqserve.bench.kernels import Case, _bench, copy_bandwidth, sdpa_decode_ms  # noqa: E402
 
@@ -55,12 +55,13 @@ def checks() -> None:
 
 def _apply(variant: str) -> str:
     """Set decode-kernel knobs from "NAME=VALUE;narrow.NAME=VALUE" (`paged_decode`, or with the prefix
-    `narrow.` those of `paged_decode_narrow`); returns the string that undoes it."""
+    `narrow.` those of `paged_decode_narrow`, `finish.` those of the split-K combine); returns the string
+    that undoes it."""
     undo = []
     for kv in filter(None, variant.split(";")):
         name, val = kv.split("=")
         prefix, _, attr = name.rpartition(".")
-        module = {"": paged_decode, "narrow": narrow}[prefix]
+        module = {"": paged_decode, "narrow": narrow, "finish": finish}[prefix]
         old = getattr(module, attr)
         undo.append(f"{name}={int(old) if isinstance(old, bool) else old}")
         setattr(module, attr, type(old)(int(val) if val.isdigit() else val))

@@ -578,9 +578,9 @@ def test_prefetch_pages_rule(monkeypatch):
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "tq_k4v4_ub", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("qlen", [1, 5])
 def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
-    """The L2 prefetch of each program's first pages is a hint: outputs bit for bit those without it, for
-    requests shorter than one prefetch, longer ones split many ways, and a request the exact copies
-    cover entirely (tq3)."""
+    """The L2 prefetch of each program's first pages is a hint, and reading the sequence length early
+    (`EARLY_LEN`) only reorders loads: outputs bit for bit those without either, for requests shorter
+    than one prefetch, longer ones split many ways, and a request the exact copies cover entirely (tq3)."""
     d, hq, hkv, bs = 128, 32, 8, 16
     ctx = [9000, 40, 3, 1500]
     gen = torch.Generator().manual_seed(11)
@@ -593,8 +593,10 @@ def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
     fmt.write(store.pages[0], k, v, meta.slot_mapping)
     lay = layout_for_format(fmt, DEV)
     outs = []
-    for pf in (0, 1):
+    for pf, early in ((0, 0), (1, 0), (0, 1)):
         monkeypatch.setattr(narrow, "PREFETCH", pf)
+        monkeypatch.setattr(narrow, "EARLY_LEN", early)
+        assert (narrow.prefetch_pages(bs) > 0) == bool(pf)  # the prefetch is really on where asked
         for splits in (None, 7):
             outs.append(
                 paged_attention(
@@ -610,6 +612,5 @@ def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
                     num_splits=splits,
                 )  # fmt: skip
             )
-    assert narrow.prefetch_pages(bs) > 0
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
-    assert len(narrow_spy) == 4
+    assert all(torch.equal(outs[i], outs[i % 2]) for i in range(2, 6))
+    assert len(narrow_spy) == 6

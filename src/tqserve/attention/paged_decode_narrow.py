@@ -131,6 +131,9 @@ VALUE_ROWS_VERIFY_EXACT = 1  # verify, layouts with exact copies
 # L2 prefetch of each packed program's first pages before anything waits (`_prefetch_first_pages`):
 # PREFETCH x stages x 32 keys' worth of pages (0: off). Not yet timed on the GPU: off.
 PREFETCH = 0
+# Read the sequence length beside the step's offsets, before the padding-row exit (1), instead of after
+# it (0): one dependent round trip less ahead of the block-table loads. Not yet timed on the GPU: off.
+EARLY_LEN = 0
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -334,7 +337,7 @@ def plan(
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
-    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len), PREFETCH)
+    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len), PREFETCH, EARLY_LEN)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -616,7 +619,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr,
+    VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, EARLY_LEN: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -631,15 +634,21 @@ def _narrow_decode_kernel(
     qlen = tl.load(qsl_ptr + req + 1) - q_start
     packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
     lo = packed_s * split_n
-    if PREFETCH > 0:
+    if PREFETCH > 0 or EARLY_LEN:
         seq_len = tl.load(seqlen_ptr + req)  # beside the offsets: one round trip for both
+    if PREFETCH > 0:
         _prefetch_first_pages(
             bt_ptr + req * stride_bt, stride_bt, lo, seq_len, split_n, kvh, kp_ptr, vp_ptr, ks_ptr, vs_ptr, vz_ptr,
             HKV, BS, D * KEY_BITS // 8, D * VAL_BITS // 8, PREFETCH, VAL_MODE == 2,
         )  # fmt: skip
-    if qlen == 0:  # a request without query tokens (graph padding)
+    if EARLY_LEN:
+        # the exit tests the length too (never true for a real request: its keys include its queries),
+        # so the compiler cannot sink the length's load below the exit, into the round trip after
+        if (qlen == 0) | (seq_len < qlen):
+            return
+    elif qlen == 0:  # a request without query tokens (graph padding)
         return
-    if PREFETCH == 0:
+    if PREFETCH == 0 and not EARLY_LEN:
         seq_len = tl.load(seqlen_ptr + req)
     hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
 
@@ -939,6 +948,7 @@ def launch(
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
         VPERM=value_rows(layout, meta.max_query_len), PREFETCH=prefetch_pages(kp.shape[2]),
+        EARLY_LEN=bool(EARLY_LEN),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
