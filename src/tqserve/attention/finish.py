@@ -29,7 +29,6 @@ from tqserve.attention.tuning import MAX_SPLITS, NARROW_MAX_SPLITS
 
 # Largest [splits, columns] tile of one combine program (float32 elements; 32 per thread at 4 warps).
 COMBINE_TILE = 4096
-COMBINE_WARPS = 4  # warps per combine program (benchmarks sweep it)
 # Rows x output columns of one `_finish_kernel` program (tl.dot needs 16 of each).
 FINISH_ROWS = 16
 FINISH_COLS = 64
@@ -100,7 +99,7 @@ def combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int
     bw = combine_width(splits, w)
     _split_reduce_kernel[(num_tokens, hq, triton.cdiv(w, bw))](
         part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-        W=w, BW=bw, SP=triton.next_power_of_2(splits), num_warps=COMBINE_WARPS,
+        W=w, BW=bw, SP=triton.next_power_of_2(splits),
     )  # fmt: skip
 
 

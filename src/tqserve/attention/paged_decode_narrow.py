@@ -128,12 +128,6 @@ BYTE_VALUES_VERIFY = 1
 VALUE_ROWS = 1  # decode
 VALUE_ROWS_VERIFY = 0  # verify, layouts without exact copies
 VALUE_ROWS_VERIFY_EXACT = 1  # verify, layouts with exact copies
-# L2 prefetch of each packed program's first pages before anything waits (`_prefetch_first_pages`):
-# PREFETCH x stages x 32 keys' worth of pages (0: off). Not yet timed on the GPU: off.
-PREFETCH = 0
-# Read the sequence length beside the step's offsets, before the padding-row exit (1), instead of after
-# it (0): one dependent round trip less ahead of the block-table loads. Not yet timed on the GPU: off.
-EARLY_LEN = 0
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -268,14 +262,6 @@ def value_rows(layout, max_query_len: int) -> bool:
     return bool(on) and byte_values(layout, max_query_len)
 
 
-def prefetch_pages(block_size: int) -> int:
-    """Pages each packed program prefetches into L2 before its first tile (`PREFETCH` key tiles' worth;
-    0 under the interpreter, which runs no PTX)."""
-    if not PREFETCH or _interpreting():
-        return 0
-    return triton.next_power_of_2(max(1, PREFETCH * max(NUM_STAGES, 2) * BLOCK_N // block_size))
-
-
 def v3_bytes(layout, n_cols: int) -> bool:
     """Whether the kernel reads 3-bit min-max values as byte tiles (`paged_decode.MINMAX3_BYTES`):
     decode steps (at most 8 columns) only."""
@@ -337,7 +323,7 @@ def plan(
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
-    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len), PREFETCH, EARLY_LEN)
+    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -422,42 +408,6 @@ def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
         (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T),
         (y4 * scale).to(OUT_T), (y5 * scale).to(OUT_T), (y6 * scale).to(OUT_T), (y7 * scale).to(OUT_T),
     )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_lines(ptr, rows0, ok, ROW_BYTES: tl.constexpr, BS: tl.constexpr):
-    """Prefetch into L2 the 128-byte lines of the BS consecutive page rows from each rows0 (ok: which
-    blocks to fetch; the others name the tensor's first line, which is always valid)."""
-    LINES: tl.constexpr = max(1, BS * ROW_BYTES // 128)
-    line = tl.arange(0, LINES)
-    base = ptr.to(tl.pointer_type(tl.int8))
-    off = rows0[:, None] * ROW_BYTES + line[None, :] * 128
-    addr = base + tl.where(ok[:, None], off, 0)
-    tl.inline_asm_elementwise(
-        "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _prefetch_first_pages(
-    bt_row, bt_len, lo, seq_len, split_n, kvh, kp_ptr, vp_ptr, ks_ptr, vs_ptr, vz_ptr,
-    HKV: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, P: tl.constexpr, ZEROS: tl.constexpr,
-):  # fmt: skip
-    """Start the first P pages of this program's keys on their way to L2 (`PREFETCH`). A program's
-    first tile otherwise waits on four dependent trips to memory: the step's offsets and length, the
-    query, the block-table entries, then the pages. Here the entries are read beside the offsets (the
-    row's width bounds them, not the length) and the pages requested at once, so the pipeline's own
-    loads of them later find them in L2. Keys, values, their per-token scalars and (ZEROS) min-max zeros."""
-    j = lo // BS + tl.arange(0, P)
-    page = tl.load(bt_row + j, mask=(j < bt_len) & (lo >= 0), other=0).to(tl.int64)
-    ok = (lo >= 0) & (j * BS < tl.minimum(seq_len, lo + split_n))
-    rows0 = page * (HKV * BS) + kvh * BS
-    _prefetch_lines(kp_ptr, rows0, ok, KB, BS)
-    _prefetch_lines(vp_ptr, rows0, ok, VB, BS)
-    _prefetch_lines(ks_ptr, rows0, ok, 2, BS)
-    _prefetch_lines(vs_ptr, rows0, ok, 2, BS)
-    if ZEROS:
-        _prefetch_lines(vz_ptr, rows0, ok, 2, BS)
 
 
 @triton.jit
@@ -619,7 +569,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, EARLY_LEN: tl.constexpr,
+    VB8: tl.constexpr, VPERM: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -632,24 +582,11 @@ def _narrow_decode_kernel(
     kvh = pid_rh % HKV
     q_start = tl.load(qsl_ptr + req)
     qlen = tl.load(qsl_ptr + req + 1) - q_start
+    if qlen == 0:  # a request without query tokens (graph padding)
+        return
+    seq_len = tl.load(seqlen_ptr + req)
     packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
     lo = packed_s * split_n
-    if PREFETCH > 0 or EARLY_LEN:
-        seq_len = tl.load(seqlen_ptr + req)  # beside the offsets: one round trip for both
-    if PREFETCH > 0:
-        _prefetch_first_pages(
-            bt_ptr + req * stride_bt, stride_bt, lo, seq_len, split_n, kvh, kp_ptr, vp_ptr, ks_ptr, vs_ptr, vz_ptr,
-            HKV, BS, D * KEY_BITS // 8, D * VAL_BITS // 8, PREFETCH, VAL_MODE == 2,
-        )  # fmt: skip
-    if EARLY_LEN:
-        # the exit tests the length too (never true for a real request: its keys include its queries),
-        # so the compiler cannot sink the length's load below the exit, into the round trip after
-        if (qlen == 0) | (seq_len < qlen):
-            return
-    elif qlen == 0:  # a request without query tokens (graph padding)
-        return
-    if PREFETCH == 0 and not EARLY_LEN:
-        seq_len = tl.load(seqlen_ptr + req)
     hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
 
     # columns: (query token t, head h of the group), t-major; padded columns have zero queries. With
@@ -947,8 +884,7 @@ def launch(
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
-        VPERM=value_rows(layout, meta.max_query_len), PREFETCH=prefetch_pages(kp.shape[2]),
-        EARLY_LEN=bool(EARLY_LEN),
+        VPERM=value_rows(layout, meta.max_query_len),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
