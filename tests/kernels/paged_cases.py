@@ -17,15 +17,18 @@ def make_meta(
     device: torch.device | str,
     seed: int = 0,
     pad_tokens: int = 0,
+    reserve: list[int] | None = None,
 ) -> AttentionMetadata:
     """A batch where request i already holds ctx_lens[i] tokens and adds q_lens[i] this step.
 
     Pages are drawn at random from 1..num_blocks-1 (page 0 is the null page) and never shared;
-    seq slots are 1..n and sink slots 1..n (0 = null)."""
+    seq slots are 1..n and sink slots 1..n (0 = null). `reserve`: tokens to hold pages for per
+    request (at least its length), so that steps of a growing request draw the same pages."""
     rng = random.Random(seed)
     n = len(ctx_lens)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    blocks_per = [(s + block_size - 1) // block_size for s in seq_lens]
+    held = seq_lens if reserve is None else [max(s, r) for s, r in zip(seq_lens, reserve)]
+    blocks_per = [(s + block_size - 1) // block_size for s in held]
     max_blocks = max(blocks_per)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -112,8 +115,8 @@ def backend_step_errors(
     """Store kernel + paged attention + exact-copy refresh through the Triton backend vs the
     reference backend, step after step (`steps`: (context lengths, query lengths) per step, e.g. a
     prefill then a decode / verify): the attention kernel reads what the store kernel wrote. Returns
-    each step's relative L2 error; every step must keep each request's page count (`make_meta`
-    draws the same pages for the same counts)."""
+    each step's relative L2 error. Every step holds the pages of the last step's lengths (`make_meta`
+    draws the same pages for the same counts, so a request keeps its pages as it grows)."""
     from tqserve.attention.reference import KVCacheStore, ReferenceBackend
     from tqserve.attention.triton_backend import TritonAttentionBackend
     from tqserve.kvquant.presets import make_layer_format
@@ -126,8 +129,9 @@ def backend_step_errors(
     ref_be = ReferenceBackend(KVCacheStore([fmt], nblocks, bs, nseq, nseq, device))
     tri_be = TritonAttentionBackend(KVCacheStore([fmt], nblocks, bs, nseq, nseq, device))
     errs = []
+    final = [c + q for c, q in zip(*steps[-1])]
     for ctx, ql in steps:
-        meta = make_meta(ctx, ql, bs, nblocks, device, seed=meta_seed)
+        meta = make_meta(ctx, ql, bs, nblocks, device, seed=meta_seed, reserve=final)
         t = meta.num_tokens
         q, k, v = (torch.randn(t, h, d, generator=gen).to(device, torch.bfloat16) for h in (hq, hkv, hkv))
         ref = ref_be.forward(0, q, k, v, meta, d**-0.5)
