@@ -6,7 +6,7 @@ set -o pipefail
 source .device-carry/gpu-env.sh || exit 1
 export PYTHONPATH="$PWD/tests:$PWD/benchmarks:$PYTHONPATH"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-for f in ${KERNEL_TESTS:-test_paged_decode test_float32_models test_paged_attention test_store_triton}; do
+for f in ${KERNEL_TESTS:-test_paged_decode test_float32_models test_paged_attention test_paged_fuzz test_store_triton}; do
   timeout 240 python3 -m pytest -q -m "gpu or not gpu" "tests/kernels/$f.py" -p no:cacheprovider 2>&1 \
     | grep -vE "^[.s]+ *(\[ *[0-9]+%\])?$" | tail -12 | tee "$OUT/tests_$f.log"
 done
