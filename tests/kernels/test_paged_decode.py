@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from paged_cases import backend_step_errors, fill_context, make_meta
 from test_paged_attention import TOL, _check_one_step
 from triton_env import DEV, triton_kernels
@@ -557,3 +558,58 @@ def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, qlen, narrow_on
             paged_attention(q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0])
         )
     assert torch.equal(outs[0], outs[1])
+
+
+def test_prefetch_pages_rule(monkeypatch):
+    """`prefetch_pages`: off by the knob and under the interpreter; else whole stages of key tiles' pages,
+    rounded to a power of two."""
+    monkeypatch.setattr(narrow, "PREFETCH", 0)
+    assert narrow.prefetch_pages(16) == 0
+    monkeypatch.setattr(narrow, "PREFETCH", 1)
+    monkeypatch.setattr(narrow, "_interpreting", lambda: True)
+    assert narrow.prefetch_pages(16) == 0
+    monkeypatch.setattr(narrow, "_interpreting", lambda: False)
+    assert narrow.prefetch_pages(16) == triton.next_power_of_2(narrow.NUM_STAGES * narrow.BLOCK_N // 16)
+    assert narrow.prefetch_pages(1024) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "tq_k4v4_ub", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("qlen", [1, 5])
+def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
+    """The L2 prefetch of each program's first pages is a hint: outputs bit for bit those without it, for
+    requests shorter than one prefetch, longer ones split many ways, and a request the exact copies
+    cover entirely (tq3)."""
+    d, hq, hkv, bs = 128, 32, 8, 16
+    ctx = [9000, 40, 3, 1500]
+    gen = torch.Generator().manual_seed(11)
+    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
+    nblocks = sum((c + qlen + bs - 1) // bs for c in ctx) + 4
+    meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=11)
+    store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
+    fill_context(store, 0, meta, ctx, gen)
+    q, k, v = (torch.randn(len(ctx) * qlen, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+    fmt.write(store.pages[0], k, v, meta.slot_mapping)
+    lay = layout_for_format(fmt, DEV)
+    outs = []
+    for pf in (0, 1):
+        monkeypatch.setattr(narrow, "PREFETCH", pf)
+        for splits in (None, 7):
+            outs.append(
+                paged_attention(
+                    q,
+                    k,
+                    v,
+                    store.pages[0],
+                    lay,
+                    meta,
+                    d**-0.5,
+                    ring=store.ring[0],
+                    sinks=store.sinks[0],
+                    num_splits=splits,
+                )  # fmt: skip
+            )
+    assert narrow.prefetch_pages(bs) > 0
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    assert len(narrow_spy) == 4

@@ -128,6 +128,9 @@ BYTE_VALUES_VERIFY = 1
 VALUE_ROWS = 1  # decode
 VALUE_ROWS_VERIFY = 0  # verify, layouts without exact copies
 VALUE_ROWS_VERIFY_EXACT = 1  # verify, layouts with exact copies
+# L2 prefetch of each packed program's first pages before anything waits (`_prefetch_first_pages`):
+# PREFETCH x stages x 32 keys' worth of pages (0: off). Not yet timed on the GPU: off.
+PREFETCH = 0
 NUM_WARPS = 1
 BLOCK_N = 32
 NUM_STAGES = 3
@@ -262,6 +265,14 @@ def value_rows(layout, max_query_len: int) -> bool:
     return bool(on) and byte_values(layout, max_query_len)
 
 
+def prefetch_pages(block_size: int) -> int:
+    """Pages each packed program prefetches into L2 before its first tile (`PREFETCH` key tiles' worth;
+    0 under the interpreter, which runs no PTX)."""
+    if not PREFETCH or _interpreting():
+        return 0
+    return triton.next_power_of_2(max(1, PREFETCH * max(NUM_STAGES, 2) * BLOCK_N // block_size))
+
+
 def v3_bytes(layout, n_cols: int) -> bool:
     """Whether the kernel reads 3-bit min-max values as byte tiles (`paged_decode.MINMAX3_BYTES`):
     decode steps (at most 8 columns) only."""
@@ -323,7 +334,7 @@ def plan(
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
-    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
+    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len), PREFETCH)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -350,14 +361,12 @@ def _sylvester(n: tl.constexpr):
 
 
 @triton.jit
-def _q_signed(q_ptr, r_ptr, tok, hq, h_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
-    """H_{D/S} (s * x) of the unrotated query's slice j ([D / S, N], coordinates S g + j): the sign of
-    each coordinate is that of R's first row (R = H diag(s) / sqrt(D)); 16-bit queries and +-1 are
-    exact in tf32, so the dot only rounds its float32 sums."""
-    g = tl.arange(0, D // S)
-    x = tl.load(q_ptr + tok + hq[None, :] * D + g[:, None] * S + j, mask=h_ok[None, :], other=0.0).to(tl.float32)
-    sign = tl.where(tl.load(r_ptr + g * S + j) > 0.0, 1.0, -1.0)
-    return tl.dot(_sylvester(D // S), x * sign[:, None], input_precision=PREC)
+def _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D: tl.constexpr):
+    """s * x for the unrotated query columns, [D, N] float32, in one load (the slices are cut from it
+    in registers): the sign of each coordinate is that of R's first row (R = H diag(s) / sqrt(D))."""
+    d = tl.arange(0, D)
+    x = tl.load(q_ptr + tok + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0).to(tl.float32)
+    return x * tl.where(tl.load(r_ptr + d) > 0.0, 1.0, -1.0)[:, None]
 
 
 @triton.jit
@@ -369,11 +378,19 @@ def _bfly(a, b):
 def _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr):
     """The 4 slices of R q for 4 coordinates per word (`_q_cols` of the rotated query, scaled): with
     coordinate i = 4 g + j, H_D = H_{D/4} (over g) x H_4 (over j), so each slice takes one dot with
-    H_{D/4} and the 4 are mixed by a 2-stage butterfly. `scale` includes 1 / sqrt(D)."""
-    y0 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 0, 4, D, PREC)
-    y1 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 1, 4, D, PREC)
-    y2 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 2, 4, D, PREC)
-    y3 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 3, 4, D, PREC)
+    H_{D/4} (16-bit queries and +-1 are exact in tf32: the dot only rounds its float32 sums) and the 4
+    are mixed by a 2-stage butterfly. `scale` includes 1 / sqrt(D)."""
+    x = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D)
+    N: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, (D // 4, 2, 2, N)), (0, 3, 1, 2))  # [g, column, a, b]: i = 4 g + 2 a + b
+    xb0, xb1 = tl.split(x)
+    x0, x2 = tl.split(xb0)
+    x1, x3 = tl.split(xb1)
+    h = _sylvester(D // 4)
+    y0 = tl.dot(h, x0, input_precision=PREC)
+    y1 = tl.dot(h, x1, input_precision=PREC)
+    y2 = tl.dot(h, x2, input_precision=PREC)
+    y3 = tl.dot(h, x3, input_precision=PREC)
     y0, y1 = _bfly(y0, y1)
     y2, y3 = _bfly(y2, y3)
     y0, y2 = _bfly(y0, y2)
@@ -384,14 +401,25 @@ def _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
 @triton.jit
 def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr):
     """`_rot_q4` for 8 coordinates per group (3-bit codes): H_D = H_{D/8} x H_8, a 3-stage butterfly."""
-    y0 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 0, 8, D, PREC)
-    y1 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 1, 8, D, PREC)
-    y2 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 2, 8, D, PREC)
-    y3 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 3, 8, D, PREC)
-    y4 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 4, 8, D, PREC)
-    y5 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 5, 8, D, PREC)
-    y6 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 6, 8, D, PREC)
-    y7 = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, 7, 8, D, PREC)
+    x = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D)
+    N: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, (D // 8, 2, 2, 2, N)), (0, 4, 1, 2, 3))  # i = 8 g + 4 a + 2 b + c
+    xc0, xc1 = tl.split(x)
+    xb00, xb01 = tl.split(xc0)  # c = 0; b = 0 / 1
+    xb10, xb11 = tl.split(xc1)  # c = 1
+    x0, x4 = tl.split(xb00)  # (a, b, c) = (0 / 1, 0, 0)
+    x2, x6 = tl.split(xb01)
+    x1, x5 = tl.split(xb10)
+    x3, x7 = tl.split(xb11)
+    h = _sylvester(D // 8)
+    y0 = tl.dot(h, x0, input_precision=PREC)
+    y1 = tl.dot(h, x1, input_precision=PREC)
+    y2 = tl.dot(h, x2, input_precision=PREC)
+    y3 = tl.dot(h, x3, input_precision=PREC)
+    y4 = tl.dot(h, x4, input_precision=PREC)
+    y5 = tl.dot(h, x5, input_precision=PREC)
+    y6 = tl.dot(h, x6, input_precision=PREC)
+    y7 = tl.dot(h, x7, input_precision=PREC)
     y0, y1 = _bfly(y0, y1)
     y2, y3 = _bfly(y2, y3)
     y4, y5 = _bfly(y4, y5)
@@ -408,6 +436,44 @@ def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
         (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T),
         (y4 * scale).to(OUT_T), (y5 * scale).to(OUT_T), (y6 * scale).to(OUT_T), (y7 * scale).to(OUT_T),
     )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_lines(ptr, rows0, ok, ROW_BYTES: tl.constexpr, BS: tl.constexpr):
+    """Prefetch into L2 the 128-byte lines of the BS consecutive page rows from each rows0 (ok: which
+    blocks to fetch; the others name the tensor's first line, which is always valid)."""
+    LINES: tl.constexpr = max(1, BS * ROW_BYTES // 128)
+    # a power of two of lines (3-bit rows: 6 per page); the lines past LINES name the first line
+    LP: tl.constexpr = 1 if LINES <= 1 else 2 if LINES <= 2 else 4 if LINES <= 4 else 8 if LINES <= 8 else 16
+    line = tl.arange(0, LP)
+    base = ptr.to(tl.pointer_type(tl.int8))
+    off = rows0[:, None] * ROW_BYTES + line[None, :] * 128
+    addr = base + tl.where(ok[:, None] & (line < LINES)[None, :], off, 0)
+    tl.inline_asm_elementwise(
+        "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _prefetch_first_pages(
+    bt_row, bt_len, lo, seq_len, split_n, kvh, kp_ptr, vp_ptr, ks_ptr, vs_ptr, vz_ptr,
+    HKV: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, P: tl.constexpr, ZEROS: tl.constexpr,
+):  # fmt: skip
+    """Start the first P pages of this program's keys on their way to L2 (`PREFETCH`). A program's
+    first tile otherwise waits on four dependent trips to memory: the step's offsets and length, the
+    query, the block-table entries, then the pages. Here the entries are read beside the offsets (the
+    row's width bounds them, not the length) and the pages requested at once, so the pipeline's own
+    loads of them later find them in L2. Keys, values, their per-token scalars and (ZEROS) min-max zeros."""
+    j = lo // BS + tl.arange(0, P)
+    page = tl.load(bt_row + j, mask=(j < bt_len) & (lo >= 0), other=0).to(tl.int64)
+    ok = (lo >= 0) & (j * BS < tl.minimum(seq_len, lo + split_n))
+    rows0 = page * (HKV * BS) + kvh * BS
+    _prefetch_lines(kp_ptr, rows0, ok, KB, BS)
+    _prefetch_lines(vp_ptr, rows0, ok, VB, BS)
+    _prefetch_lines(ks_ptr, rows0, ok, 2, BS)
+    _prefetch_lines(vs_ptr, rows0, ok, 2, BS)
+    if ZEROS:
+        _prefetch_lines(vz_ptr, rows0, ok, 2, BS)
 
 
 @triton.jit
@@ -569,7 +635,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    VB8: tl.constexpr, VPERM: tl.constexpr,
+    VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -582,11 +648,18 @@ def _narrow_decode_kernel(
     kvh = pid_rh % HKV
     q_start = tl.load(qsl_ptr + req)
     qlen = tl.load(qsl_ptr + req + 1) - q_start
-    if qlen == 0:  # a request without query tokens (graph padding)
-        return
-    seq_len = tl.load(seqlen_ptr + req)
     packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
     lo = packed_s * split_n
+    if PREFETCH > 0:
+        seq_len = tl.load(seqlen_ptr + req)  # beside the offsets: one round trip for both
+        _prefetch_first_pages(
+            bt_ptr + req * stride_bt, stride_bt, lo, seq_len, split_n, kvh, kp_ptr, vp_ptr, ks_ptr, vs_ptr, vz_ptr,
+            HKV, BS, D * KEY_BITS // 8, D * VAL_BITS // 8, PREFETCH, VAL_MODE == 2,
+        )  # fmt: skip
+    if qlen == 0:  # a request without query tokens (graph padding)
+        return
+    if PREFETCH == 0:
+        seq_len = tl.load(seqlen_ptr + req)
     hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
 
     # columns: (query token t, head h of the group), t-major; padded columns have zero queries. With
@@ -884,7 +957,7 @@ def launch(
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
-        VPERM=value_rows(layout, meta.max_query_len),
+        VPERM=value_rows(layout, meta.max_query_len), PREFETCH=prefetch_pages(kp.shape[2]),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
