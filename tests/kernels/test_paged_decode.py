@@ -335,11 +335,14 @@ def test_narrow_pair_scalars_misaligned_views(narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
-@pytest.mark.parametrize(("preset", "d"), [("turboquant_4bit_nc", 128), ("tq3", 64), ("turboquant_3bit_nc", 256)])
+@pytest.mark.parametrize(
+    ("preset", "d"), [("turboquant_4bit_nc", 128), ("tq3", 64), ("tq3", 128), ("turboquant_3bit_nc", 256)]
+)
 def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
-    """The query rotated inside the kernel (Hadamard slices and butterflies, `QROT`) against the rotation
-    before the launch (`rotate_rows`): the same outputs to float32 rounding, decode and verify, with the
-    dispatch rule (power-of-two d, at least 16 coordinates per slice)."""
+    """The query rotated inside the kernel (Hadamard slices and butterflies, `QROT`; with the L2
+    prefetch of the first pages on the GPU) against the rotation before the launch (`rotate_rows`):
+    the same outputs to float32 rounding, decode and verify, with the dispatch rule (power-of-two d, at
+    least 16 coordinates per slice)."""
     monkeypatch.setattr(narrow, "QROT", 1)
     assert narrow.rotates_query(_layout(preset, d=d), d)
     assert not narrow.rotates_query(_layout("turboquant_3bit_nc", d=64), 64)  # 8 coordinates per slice
@@ -348,10 +351,30 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
         outs = []
         for on in (1, 0):
             monkeypatch.setattr(narrow, "QROT", on)
+            monkeypatch.setattr(narrow, "QROT_EXACT_DECODE", on)
+            monkeypatch.setattr(narrow, "PREFETCH", on)
             outs.append(run().float())
         err = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
         assert err < 4e-3, err  # bf16 outputs: a last-bit flip at most
     assert len(narrow_spy) == 4
+
+
+def test_rotates_query_rule(monkeypatch):
+    """By default the kernel rotates the query of decode steps over exact-copy layouts at d = 128 and
+    prefetches their first pages (`QROT_EXACT_DECODE`); verify steps, other layouts and other head
+    sizes take `rotate_rows`; QROT = 1 rotates in every eligible step."""
+    tq3, nc4 = _layout("tq3", d=128), _layout("turboquant_4bit_nc", d=128)
+    assert narrow.rotates_query(tq3, 128, 1) and narrow.exact_decode_rotation(tq3, 128, 1)
+    assert not narrow.rotates_query(tq3, 128, 5)
+    assert not narrow.rotates_query(nc4, 128, 1)
+    assert not narrow.rotates_query(_layout("tq3", d=64), 64, 1)
+    monkeypatch.setattr(narrow, "QROT", 1)
+    assert narrow.rotates_query(tq3, 128, 5) and narrow.rotates_query(nc4, 128, 1)
+    monkeypatch.setattr(narrow, "QROT", 0)
+    monkeypatch.setattr(narrow, "QROT_EXACT_DECODE", 0)
+    assert not narrow.rotates_query(tq3, 128, 1)
+    monkeypatch.setattr(narrow, "_interpreting", lambda: False)
+    assert narrow.prefetch_pages(16, tuned=True) > 0 and narrow.prefetch_pages(16) == 0
 
 
 @pytest.mark.parametrize("tau", [0.5, 8.0])
@@ -593,6 +616,7 @@ def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
     fmt.write(store.pages[0], k, v, meta.slot_mapping)
     lay = layout_for_format(fmt, DEV)
     outs = []
+    monkeypatch.setattr(narrow, "QROT_EXACT_DECODE", 0)  # (its steps prefetch whatever PREFETCH says)
     for pf in (0, 1):
         monkeypatch.setattr(narrow, "PREFETCH", pf)
         for splits in (None, 7):

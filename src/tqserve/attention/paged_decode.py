@@ -1040,7 +1040,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
 
     qx = q
     model_f32 = qx.dtype == torch.float32
-    rot_in_kernel = use_narrow and narrow.rotates_query(layout, d)
+    rot_in_kernel = use_narrow and narrow.rotates_query(layout, d, meta.max_query_len)
     if not rot_in_kernel:
         q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
     rotated = layout.rotated_values

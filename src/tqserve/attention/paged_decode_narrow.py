@@ -104,12 +104,18 @@ LAZY_MIN_COLS = 32
 # (tq_k4v4_ub, 254 registers either way) 0.576 -> 0.601, so those keep the 2-byte loads.
 PAIR_SCALARS = 1
 # Rotate the query inside the kernel (`rotates_query`) instead of a `rotate_rows` launch before it
-# (1 x 128K: 3.3 of ~80 us). Off: measured slower (H100, fourteenth session, CUDA-graph replays, off
-# -> on): 1 x 128K 4bit_nc 0.0795 -> 0.0807 ms (every program's prologue waits on its rotation before
-# its first tiles are requested, as long as the separate launch took), 32 x 32K decode 0.475 ->
-# 0.502, verify 0.846 -> 1.104 (255 registers, more spills); only 3-bit keys gained (3bit_nc decode
-# 0.851 -> 0.832). Kept for A/B timing (tests check it against `rotate_rows`).
+# (1 x 128K: 3.3 of ~80 us). QROT = 1 does it for every eligible step (A/B timing; tests check it
+# against `rotate_rows`); by default only decode steps over exact-copy layouts at d = 128 do, with the
+# L2 prefetch of their first pages (`QROT_EXACT_DECODE`). The query is read in one load and its slices
+# cut in registers (twenty-first session; one dependent load per slice before). H100, twenty-first
+# session, CUDA-graph replays, medians of 3 rounds, same call (off / on / on + prefetch):
+# - tq3 decode 32 x 32K 0.4656 / 0.4636 / 0.4576 ms, 1 x 128K 0.0817 / 0.0797 / 0.0791;
+# - turboquant_4bit_nc (128 registers) decode 0.4795 / 0.5174 / 0.5193, 1 x 128K 0.0816 / 0.0834 / 0.0843:
+#   the key loop takes 3% more instructions with a rotated query (16 shuffles and permutes per tile);
+# - turboquant_k3v4_nc 0.5101 / 0.5155 / 0.5112, 1 x 128K 0.0831 / 0.0803 / 0.0849;
+# - verify 32 x 5 x 32K slower for all three (tq3 0.828 / 0.891 / 0.870).
 QROT = 0
+QROT_EXACT_DECODE = 1
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
 # (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
 # decoders take 2.5 and a byte -> 16-bit unpacking), in decode / wider steps (0: the word decoders of
@@ -129,7 +135,9 @@ VALUE_ROWS = 1  # decode
 VALUE_ROWS_VERIFY = 0  # verify, layouts without exact copies
 VALUE_ROWS_VERIFY_EXACT = 1  # verify, layouts with exact copies
 # L2 prefetch of each packed program's first pages before anything waits (`_prefetch_first_pages`):
-# PREFETCH x stages x 32 keys' worth of pages (0: off). Not yet timed on the GPU: off.
+# PREFETCH x stages x 32 keys' worth of pages (0: off; steps that rotate their query by the tuned rule
+# take 1). Alone it only adds requests (H100, twenty-first session: 4bit_nc 1 x 128K 0.0809 -> 0.0834
+# ms, tq3 0.0810 -> 0.0825); it pays where the in-kernel rotation holds the first tile back.
 PREFETCH = 0
 NUM_WARPS = 1
 BLOCK_N = 32
@@ -230,12 +238,20 @@ def launch_config(
     return NUM_WARPS, BLOCK_N, K3V4_STAGES if (key_bits, val_bits) == (3, 4) else NUM_STAGES, cap
 
 
-def rotates_query(layout, head_dim: int) -> bool:
-    """Whether the kernel rotates the query itself (`QROT`): a power-of-two head size (R is one
-    randomized Hadamard block, `kvquant.rotation`) with at least 16 coordinates per slice (the
-    dot's minimum); else `rotate.rotate_rows` runs before it."""
+def rotates_query(layout, head_dim: int, max_query_len: int = 1) -> bool:
+    """Whether the kernel rotates the query itself: a power-of-two head size (R is one randomized
+    Hadamard block, `kvquant.rotation`) with at least 16 coordinates per slice (the dot's minimum),
+    for every step with `QROT`, else decode steps over exact-copy layouts at d = 128
+    (`QROT_EXACT_DECODE`); otherwise `rotate.rotate_rows` runs before the launch."""
     sk = paged_decode.slices(layout.key_bits)
-    return bool(QROT) and head_dim & (head_dim - 1) == 0 and head_dim // sk >= 16 and layout.key_rotation is not None
+    if not (head_dim & (head_dim - 1) == 0 and head_dim // sk >= 16 and layout.key_rotation is not None):
+        return False
+    return bool(QROT) or exact_decode_rotation(layout, head_dim, max_query_len)
+
+
+def exact_decode_rotation(layout, head_dim: int, max_query_len: int) -> bool:
+    """The tuned part of `rotates_query`: decode steps over exact-copy layouts at d = 128."""
+    return bool(QROT_EXACT_DECODE) and max_query_len <= 1 and head_dim == 128 and bool(layout.sink or layout.window)
 
 
 def pair_scalars(layout, n_cols: int, scalars: tuple = ()) -> bool:
@@ -265,12 +281,13 @@ def value_rows(layout, max_query_len: int) -> bool:
     return bool(on) and byte_values(layout, max_query_len)
 
 
-def prefetch_pages(block_size: int) -> int:
-    """Pages each packed program prefetches into L2 before its first tile (`PREFETCH` key tiles' worth;
-    0 under the interpreter, which runs no PTX)."""
-    if not PREFETCH or _interpreting():
+def prefetch_pages(block_size: int, tuned: bool = False) -> int:
+    """Pages each packed program prefetches into L2 before its first tile (`PREFETCH` key tiles' worth,
+    or one where `tuned`: the step rotates its query by `exact_decode_rotation`); 0 under the
+    interpreter, which runs no PTX."""
+    if not (PREFETCH or tuned) or _interpreting():
         return 0
-    return triton.next_power_of_2(max(1, PREFETCH * max(NUM_STAGES, 2) * BLOCK_N // block_size))
+    return triton.next_power_of_2(max(1, max(PREFETCH, 1) * max(NUM_STAGES, 2) * BLOCK_N // block_size))
 
 
 def v3_bytes(layout, n_cols: int) -> bool:
@@ -333,8 +350,9 @@ def plan(
     )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
-    key += (rotates_query(layout, head_dim), paged_decode.pair_tables(True, max_query_len))
-    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len), PREFETCH)
+    key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
+    key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
+    key += (PREFETCH, exact_decode_rotation(layout, head_dim, max_query_len))
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -957,7 +975,8 @@ def launch(
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
-        VPERM=value_rows(layout, meta.max_query_len), PREFETCH=prefetch_pages(kp.shape[2]),
+        VPERM=value_rows(layout, meta.max_query_len),
+        PREFETCH=prefetch_pages(kp.shape[2], rot is not None and exact_decode_rotation(layout, d, meta.max_query_len)),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
