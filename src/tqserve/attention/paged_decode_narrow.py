@@ -105,15 +105,19 @@ LAZY_MIN_COLS = 32
 PAIR_SCALARS = 1
 # Rotate the query inside the kernel (`rotates_query`) instead of a `rotate_rows` launch before it
 # (1 x 128K: 3.3 of ~80 us). QROT = 1 does it for every eligible step (A/B timing; tests check it
-# against `rotate_rows`); by default only decode steps over exact-copy layouts at d = 128 do, with the
-# L2 prefetch of their first pages (`QROT_EXACT_DECODE`). The query is read in one load and its slices
-# cut in registers (twenty-first session; one dependent load per slice before). H100, twenty-first
-# session, CUDA-graph replays, medians of 3 rounds, same call (off / on / on + prefetch):
+# against `rotate_rows`); by default only decode steps over exact-copy layouts with 4-bit keys at
+# d = 128 do, with the L2 prefetch of their first pages (`QROT_EXACT_DECODE`). The query is read in
+# one load and its slices cut in registers (twenty-first session; one dependent load per slice before).
+# H100, twenty-first session, CUDA-graph replays, medians of 3 rounds, same call (off / on / on +
+# prefetch):
 # - tq3 decode 32 x 32K 0.4656 / 0.4636 / 0.4576 ms, 1 x 128K 0.0817 / 0.0797 / 0.0791;
 # - turboquant_4bit_nc (128 registers) decode 0.4795 / 0.5174 / 0.5193, 1 x 128K 0.0816 / 0.0834 / 0.0843:
 #   the key loop takes 3% more instructions with a rotated query (16 shuffles and permutes per tile);
 # - turboquant_k3v4_nc 0.5101 / 0.5155 / 0.5112, 1 x 128K 0.0831 / 0.0803 / 0.0849;
 # - verify 32 x 5 x 32K slower for all three (tq3 0.828 / 0.891 / 0.870).
+# Second call, default (rotation + prefetch) / off: tq3 0.4567 / 0.4667, 1 x 128K 0.0783 / 0.0808;
+# tq_k4v3_ub_s4_w128 0.9008 / 0.9028, 0.1422 / 0.1414; 3-bit keys (tq_k3v2_ub_s4_w16, 8 slices) 0.4924 /
+# 0.4889, 0.0852 / 0.0863: so 4-bit keys only.
 QROT = 0
 QROT_EXACT_DECODE = 1
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
@@ -250,8 +254,9 @@ def rotates_query(layout, head_dim: int, max_query_len: int = 1) -> bool:
 
 
 def exact_decode_rotation(layout, head_dim: int, max_query_len: int) -> bool:
-    """The tuned part of `rotates_query`: decode steps over exact-copy layouts at d = 128."""
-    return bool(QROT_EXACT_DECODE) and max_query_len <= 1 and head_dim == 128 and bool(layout.sink or layout.window)
+    """The tuned part of `rotates_query`: decode steps over exact-copy layouts with 4-bit keys at d = 128."""
+    exact = bool(layout.sink or layout.window)
+    return bool(QROT_EXACT_DECODE) and max_query_len <= 1 and head_dim == 128 and exact and layout.key_bits == 4
 
 
 def pair_scalars(layout, n_cols: int, scalars: tuple = ()) -> bool:
