@@ -245,8 +245,8 @@ def launch_config(
 def rotates_query(layout, head_dim: int, max_query_len: int = 1) -> bool:
     """Whether the kernel rotates the query itself: a power-of-two head size (R is one randomized
     Hadamard block, `kvquant.rotation`) with at least 16 coordinates per slice (the dot's minimum),
-    for every step with `QROT`, else decode steps over exact-copy layouts at d = 128
-    (`QROT_EXACT_DECODE`); otherwise `rotate.rotate_rows` runs before the launch."""
+    for every step with `QROT`, else decode steps over exact-copy layouts with 4-bit keys at d = 128
+    (`exact_decode_rotation`); otherwise `rotate.rotate_rows` runs before the launch."""
     sk = paged_decode.slices(layout.key_bits)
     if not (head_dim & (head_dim - 1) == 0 and head_dim // sk >= 16 and layout.key_rotation is not None):
         return False
