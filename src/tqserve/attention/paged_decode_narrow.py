@@ -398,6 +398,16 @@ def _bfly(a, b):
 
 
 @triton.jit
+def _hdot4(h, x0, x1, x2, x3, PREC: tl.constexpr):
+    """H x for four slices."""
+    y0 = tl.dot(h, x0, input_precision=PREC)
+    y1 = tl.dot(h, x1, input_precision=PREC)
+    y2 = tl.dot(h, x2, input_precision=PREC)
+    y3 = tl.dot(h, x3, input_precision=PREC)
+    return y0, y1, y2, y3
+
+
+@triton.jit
 def _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr):
     """The 4 slices of R q for 4 coordinates per word (`_q_cols` of the rotated query, scaled): with
     coordinate i = 4 g + j, H_D = H_{D/4} (over g) x H_4 (over j), so each slice takes one dot with
@@ -409,11 +419,7 @@ def _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
     xb0, xb1 = tl.split(x)
     x0, x2 = tl.split(xb0)
     x1, x3 = tl.split(xb1)
-    h = _sylvester(D // 4)
-    y0 = tl.dot(h, x0, input_precision=PREC)
-    y1 = tl.dot(h, x1, input_precision=PREC)
-    y2 = tl.dot(h, x2, input_precision=PREC)
-    y3 = tl.dot(h, x3, input_precision=PREC)
+    y0, y1, y2, y3 = _hdot4(_sylvester(D // 4), x0, x1, x2, x3, PREC)
     y0, y1 = _bfly(y0, y1)
     y2, y3 = _bfly(y2, y3)
     y0, y2 = _bfly(y0, y2)
@@ -435,14 +441,8 @@ def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
     x1, x5 = tl.split(xb10)
     x3, x7 = tl.split(xb11)
     h = _sylvester(D // 8)
-    y0 = tl.dot(h, x0, input_precision=PREC)
-    y1 = tl.dot(h, x1, input_precision=PREC)
-    y2 = tl.dot(h, x2, input_precision=PREC)
-    y3 = tl.dot(h, x3, input_precision=PREC)
-    y4 = tl.dot(h, x4, input_precision=PREC)
-    y5 = tl.dot(h, x5, input_precision=PREC)
-    y6 = tl.dot(h, x6, input_precision=PREC)
-    y7 = tl.dot(h, x7, input_precision=PREC)
+    y0, y1, y2, y3 = _hdot4(h, x0, x1, x2, x3, PREC)
+    y4, y5, y6, y7 = _hdot4(h, x4, x5, x6, x7, PREC)
     y0, y1 = _bfly(y0, y1)
     y2, y3 = _bfly(y2, y3)
     y4, y5 = _bfly(y4, y5)
