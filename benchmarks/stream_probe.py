@@ -111,8 +111,8 @@ def main() -> None:
     args = ap.parse_args()
     bk.GRAPHS = args.graphs
     dev = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name(dev)}; copy {bk.copy_bandwidth(dev):.0f} GB/s; graphs {args.graphs}")
     copy = bk.copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name(dev)}; copy {copy:.0f} GB/s; graphs {args.graphs}")
     for spec in args.cases.split(","):
         n_req, ctx = (int(x) for x in spec.split("x"))
         sdpa_ms, _ = bk.sdpa_decode_ms(n_req, ctx, 1, 32, 8, 128, dev)
