@@ -87,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cases.append((label, mod, plan, {}))
             tq = mod.TQ in {s[0] for s in plan.sides}
-            if preset in args.sweep.split(",") and label != "old":
+            if preset in args.sweep.split(",") and label == "new":  # shapes of the module under test only
                 shapes = [[int(x) for x in sh.split(":")] for sh in args.shapes.split(",")]
                 shapes = shapes if tq else [[32, 4], [64, 4]]
                 for bt, nw, *mr in shapes:
                     kw = {"block_tokens": bt, "num_warps": nw, **({"maxnreg": mr[0]} if mr else {})}
                     cases.append((f"{label} bt{bt} w{nw}" + (f" r{mr[0]}" if mr else ""), mod, plan, kw))
-                if tq and label == "new":  # rotation tiles of 64 columns instead of the default 32
+                if tq:  # rotation tiles of 64 columns instead of the default 32
                     cases.append(("new W64", mod, mod.StorePlan(fmt, dev, wmax=64), {}))
         for label, mod, pl, kw in cases:
             try:

@@ -63,6 +63,7 @@ _RQS = tl.constexpr(2.0**-SCALE_QS)
 # then sits in the low mantissa bits: bits(t) - _RND_BITS is that integer
 _RND = tl.constexpr(12582912.0)
 _RND_BITS = tl.constexpr(0x4B400000)
+_RNDQ_BITS = tl.constexpr(0x4B400000 + (SCALE_QS << 23))  # bits of 1.5 * 2^(23 + SCALE_QS)
 # TurboQuant table lookups through inline PTX on the GPU (`_tq_lookup`); the interpreter runs no PTX
 _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
@@ -184,7 +185,7 @@ def _pack_tile(
 
 
 @triton.jit
-def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
+def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALED: tl.constexpr = 0):
     """(#{boundaries < y}, its centroid) per element of rotated coordinates y, by one table lookup.
 
     a * b is y * CS (cells per unit of y) to within a few float ulps (z * (f * CS) will do): its
@@ -230,7 +231,7 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
                 z32.to(tl.int64) + tab_ptr.to(tl.int64),
                 z32 + (0x4B400000 - HALFC),
                 z32 + (NCELL - 1),
-                z32.to(tl.int64) + (tab_ptr + 2 * NCELL).to(tl.int64),
+                z32.to(tl.int64) + (tab_ptr + 2 * NCELL + SCALED).to(tl.int64),
             ],
             dtype=(tl.int32, tl.float32),
             is_pure=True,
@@ -242,7 +243,7 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
         cell = tl.minimum(cell, NCELL - 1).to(tl.int32) * 2
         up = y > tl.load(tab_ptr + cell).to(tl.float32, bitcast=True)
         idx = tl.load(tab_ptr + cell + 1) + up.to(tl.int32)
-        cv = tl.load(tab_ptr + 2 * NCELL + idx).to(tl.float32, bitcast=True)
+        cv = tl.load(tab_ptr + 2 * NCELL + SCALED + idx).to(tl.float32, bitcast=True)
     return idx, cv
 
 
@@ -256,21 +257,25 @@ def _tq_tile_out(
     Hadamard sums, float32; f, fc = f * CS: [BT, 1] columns); return the elements' int32 terms of the
     scale's sum (`_tq_scale_terms`)."""
     y = z * f
-    idx, cv = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC)
+    idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
-    return _tq_scale_terms(y, cv, SCALE_MODE)
+    return _tq_scale_terms(y, cq, SCALE_MODE)
 
 
 @triton.jit
-def _tq_scale_terms(y, cv, SCALE_MODE: tl.constexpr):
+def _tq_scale_terms(y, cq, SCALE_MODE: tl.constexpr):
     """The elements' terms of ||c||^2 (nc) or <y, c> (unbiased) as `reference.fixed_sum` rounds them:
-    round(term * 2^SCALE_QS), int32 (0: plain). One fma forms the exact product plus 1.5 * 2^23 and
-    rounds once; int32 sums of the terms are exact, so the tile order does not show."""
+    round(term * 2^SCALE_QS), int32 (0: plain), from cq = c * 2^SCALE_QS (the table's scaled centroid
+    column, exact). One fma forms the exact product plus 1.5 * 2^23 (nc: times 2^SCALE_QS, so the
+    rounding falls on the same multiple) and rounds once; int32 sums of the terms are exact, so the
+    tile order does not show."""
     if SCALE_MODE == 0:
         part = tl.zeros(y.shape, dtype=tl.int32)
+    elif SCALE_MODE == 1:
+        t = tl.fma(cq, cq, tl.full(y.shape, _RND * _QS, tl.float32))
+        part = t.to(tl.int32, bitcast=True) - _RNDQ_BITS
     else:
-        a = cv if SCALE_MODE == 1 else y
-        t = tl.fma(a, cv * _QS, tl.full(y.shape, _RND, tl.float32))
+        t = tl.fma(y, cq, tl.full(y.shape, _RND, tl.float32))
         part = t.to(tl.int32, bitcast=True) - _RND_BITS
     return part
 
@@ -306,9 +311,9 @@ def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
                   D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):  # fmt: skip
     """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1]); return the
     elements' int32 terms of the scale's sum over those indices (`_tq_scale_terms`)."""
-    idx, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC)
+    idx, cq = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 1 << BITS)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
-    return _tq_scale_terms(y, cv, SCALE_MODE)
+    return _tq_scale_terms(y, cq, SCALE_MODE)
 
 
 @triton.jit
@@ -365,6 +370,22 @@ def _load_tile(x_ptr, xrow, tok_ok, col0, W: tl.constexpr):
 
 
 @triton.jit
+def _load_signed(x_ptr, xrow, tok_ok, col0, W: tl.constexpr, had_ptr, HS: tl.constexpr):
+    """`_load_tile` with the rotation's signs applied (diag(s) x): the sign bit of each column whose s
+    is -1 flipped, one xor per element in the input dtype (two per instruction for 16-bit inputs),
+    exact; had_ptr holds H_HS (fp16, HS x HS), then the head's signs (fp16 +-1)."""
+    x = _load_tile(x_ptr, xrow, tok_ok, col0, W)
+    c = col0 + tl.arange(0, W)
+    neg = tl.load(had_ptr.to(tl.pointer_type(tl.int16)) + HS * HS + c) < 0  # fp16 -1.0 has its sign bit set
+    if x.dtype.primitive_bitwidth == 16:
+        flip = tl.where(neg, -32768, 0).to(tl.int16)
+        return (x.to(tl.int16, bitcast=True) ^ flip[None, :]).to(x.dtype, bitcast=True)
+    else:
+        flip = tl.where(neg, -2147483648, 0).to(tl.int32)
+        return (x.to(tl.int32, bitcast=True) ^ flip[None, :]).to(x.dtype, bitcast=True)
+
+
+@triton.jit
 def _absmax(x):
     """The rows' largest |x| (exact in the input dtype), float32."""
     return tl.max(tl.abs(x), 1).to(tl.float32)
@@ -394,8 +415,8 @@ def _fixed_point(x, p):
 
 @triton.jit
 def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
-    """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (float32, |xi| <= 2^11) at column col0,
-    exact: the signs flip xi's columns, and xi and the +-1 of H are exact in fp16, so the tensor-core
+    """z = xi @ H_W for the integer tile xi [BT, W] (float32, |xi| <= 2^11, the signs already applied
+    by `_load_signed`) at column col0, exact: xi and the +-1 of H are exact in fp16, so the tensor-core
     dot sums W <= 64 exact products into a float32 accumulator: every partial sum is an integer of
     at most 2^17, so no order or accumulator width can round it. had_ptr holds the unsigned H_HS
     (fp16, HS x HS), then the head's signs; hw is H_HS, loaded once per program for the tiles of width
@@ -406,7 +427,6 @@ def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: 
         hm = hw
     else:
         hm = tl.load(had_ptr + r[:, None] * HS + r[None, :])
-    xi = xi * tl.load(had_ptr + HS * HS + col0 + r).to(tl.float32)[None, :]
     if NSPLIT == 0:
         # the CPU interpreter: a float32 dot of the same integers (exact there too)
         z = tl.dot(xi, hm.to(tl.float32), input_precision="ieee")
@@ -439,24 +459,24 @@ def _tq_side(
     tiles; each row keeps the gain of the largest cosine (first maximum wins), and its indices are
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
     # same-width tiles are combined elementwise before one row reduction (reductions cross warps)
-    x0 = _load_tile(x_ptr, xrow, tok_ok, 0, W)
+    x0 = _load_signed(x_ptr, xrow, tok_ok, 0, W, had_ptr, W)
     m = tl.abs(x0)
     if G0 > 1:
-        x1 = _load_tile(x_ptr, xrow, tok_ok, W, W)
+        x1 = _load_signed(x_ptr, xrow, tok_ok, W, W, had_ptr, W)
         m = tl.maximum(m, tl.abs(x1))
     if G0 > 2:
-        x2 = _load_tile(x_ptr, xrow, tok_ok, 2 * W, W)
-        x3 = _load_tile(x_ptr, xrow, tok_ok, 3 * W, W)
+        x2 = _load_signed(x_ptr, xrow, tok_ok, 2 * W, W, had_ptr, W)
+        x3 = _load_signed(x_ptr, xrow, tok_ok, 3 * W, W, had_ptr, W)
         m = tl.maximum(m, tl.maximum(tl.abs(x2), tl.abs(x3)))
     amax = tl.max(m, 1).to(tl.float32)
     if NT > G0:
-        xt1 = _load_tile(x_ptr, xrow, tok_ok, O1, W1)
+        xt1 = _load_signed(x_ptr, xrow, tok_ok, O1, W1, had_ptr, W)
         amax = tl.maximum(amax, _absmax(xt1))
     if NT > G0 + 1:
-        xt2 = _load_tile(x_ptr, xrow, tok_ok, O2, W2)
+        xt2 = _load_signed(x_ptr, xrow, tok_ok, O2, W2, had_ptr, W)
         amax = tl.maximum(amax, _absmax(xt2))
     if NT > G0 + 2:
-        xt3 = _load_tile(x_ptr, xrow, tok_ok, O3, W3)
+        xt3 = _load_signed(x_ptr, xrow, tok_ok, O3, W3, had_ptr, W)
         amax = tl.maximum(amax, _absmax(xt3))
     p, rp = _fixed_scale(amax)
     hr = tl.arange(0, W)
@@ -682,10 +702,10 @@ def _store_side(
                 j = c0 + tl.arange(0, C)
                 y = _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D, C)
                 if SEARCH:
-                    idx, cv = _tq_lookup(y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC)
+                    idx, cq = _tq_lookup(y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC, 1 << BITS)
                 else:
-                    idx, cv = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC)
-                acc += tl.sum(tl.where((j < D)[None, :], _tq_scale_terms(y, cv, SCALE_MODE), 0), 1)
+                    idx, cq = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC, 1 << BITS)
+                acc += tl.sum(tl.where((j < D)[None, :], _tq_scale_terms(y, cq, SCALE_MODE), 0), 1)
                 _pack_tile(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C, GS)
             _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
@@ -722,7 +742,8 @@ def _store_kv_kernel(
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
     """`_tq_lookup`'s table for centroids cb [L] and ascending boundaries bnd [L - 1] (float32):
-    (int32 table: [NCELL, 2] flat (own boundary as bits, base), then the L centroids' bits; NCELL,
+    (int32 table: [NCELL, 2] flat (own boundary as bits, base), then the L centroids' bits, then
+    theirs times 2^SCALE_QS (`_tq_scale_terms`); NCELL,
     HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
     CS * y in [k - HALFC - 1/2, k - HALFC + 1/2). CS is picked so that every cell holds at most
     one boundary and none lies within `margin` of a cell edge (so y * CS may be computed with a
@@ -749,7 +770,8 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     base = torch.searchsorted(cell_of, k)  # boundaries in cells below k
     own = torch.full((ncell,), 0x7F800000, dtype=torch.long)  # +inf: no boundary in this cell
     own[cell_of] = bits32
-    tab = torch.cat([torch.stack([own, base], 1).flatten(), cbits]).to(torch.uint32).view(torch.int32)
+    cqbits = (cb.float() * 2.0**SCALE_QS).view(torch.int32).long() & 0xFFFFFFFF  # exact: a power of two
+    tab = torch.cat([torch.stack([own, base], 1).flatten(), cbits, cqbits]).to(torch.uint32).view(torch.int32)
     return tab, ncell, halfc, cs
 
 
