@@ -427,6 +427,7 @@ def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: 
         hm = hw
     else:
         hm = tl.load(had_ptr + r[:, None] * HS + r[None, :])
+    xi = xi * tl.load(had_ptr + HS * HS + col0 + r).to(tl.float32)[None, :]
     if NSPLIT == 0:
         # the CPU interpreter: a float32 dot of the same integers (exact there too)
         z = tl.dot(xi, hm.to(tl.float32), input_precision="ieee")
@@ -459,24 +460,24 @@ def _tq_side(
     tiles; each row keeps the gain of the largest cosine (first maximum wins), and its indices are
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
     # same-width tiles are combined elementwise before one row reduction (reductions cross warps)
-    x0 = _load_signed(x_ptr, xrow, tok_ok, 0, W, had_ptr, W)
+    x0 = _load_tile(x_ptr, xrow, tok_ok, 0, W)
     m = tl.abs(x0)
     if G0 > 1:
-        x1 = _load_signed(x_ptr, xrow, tok_ok, W, W, had_ptr, W)
+        x1 = _load_tile(x_ptr, xrow, tok_ok, W, W)
         m = tl.maximum(m, tl.abs(x1))
     if G0 > 2:
-        x2 = _load_signed(x_ptr, xrow, tok_ok, 2 * W, W, had_ptr, W)
-        x3 = _load_signed(x_ptr, xrow, tok_ok, 3 * W, W, had_ptr, W)
+        x2 = _load_tile(x_ptr, xrow, tok_ok, 2 * W, W)
+        x3 = _load_tile(x_ptr, xrow, tok_ok, 3 * W, W)
         m = tl.maximum(m, tl.maximum(tl.abs(x2), tl.abs(x3)))
     amax = tl.max(m, 1).to(tl.float32)
     if NT > G0:
-        xt1 = _load_signed(x_ptr, xrow, tok_ok, O1, W1, had_ptr, W)
+        xt1 = _load_tile(x_ptr, xrow, tok_ok, O1, W1)
         amax = tl.maximum(amax, _absmax(xt1))
     if NT > G0 + 1:
-        xt2 = _load_signed(x_ptr, xrow, tok_ok, O2, W2, had_ptr, W)
+        xt2 = _load_tile(x_ptr, xrow, tok_ok, O2, W2)
         amax = tl.maximum(amax, _absmax(xt2))
     if NT > G0 + 2:
-        xt3 = _load_signed(x_ptr, xrow, tok_ok, O3, W3, had_ptr, W)
+        xt3 = _load_tile(x_ptr, xrow, tok_ok, O3, W3)
         amax = tl.maximum(amax, _absmax(xt3))
     p, rp = _fixed_scale(amax)
     hr = tl.arange(0, W)
