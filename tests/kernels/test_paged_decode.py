@@ -265,7 +265,9 @@ def test_narrow_3bit_value_bytes_equal_words(narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
-def _steps(preset: str, d: int, seed: int, nan_pages: bool = False, odd_scalars: bool = False):
+def _steps(
+    preset: str, d: int, seed: int, nan_pages: bool = False, odd_scalars: bool = False, dtype=torch.bfloat16
+):
     """A decode and a verify step (8 / 2 heads, odd sequence lengths) over pages
     written through the format's torch codec, each as run(**kw): `paged_attention` on them. With `nan_pages`,
     every page slot no request wrote holds NaN; with `odd_scalars`, the fp16 scalar tensors are views
@@ -273,7 +275,7 @@ def _steps(preset: str, d: int, seed: int, nan_pages: bool = False, odd_scalars:
     hq, hkv, bs = 8, 2, 16
     ctx = [3001, 777, 150] if DEV.type == "cuda" else [69, 34]
     gen = torch.Generator().manual_seed(seed)
-    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
+    fmt = make_layer_format(preset, 3, hkv, d, dtype)
     nblocks = sum((c + 5 + bs - 1) // bs for c in ctx) + 4
     lay = layout_for_format(fmt, DEV)
     for qlen in (1, 3):
@@ -285,7 +287,7 @@ def _steps(preset: str, d: int, seed: int, nan_pages: bool = False, odd_scalars:
                     t.fill_(float("nan"))
         fill_context(store, 0, meta, ctx, gen)
         n = len(ctx) * qlen
-        q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+        q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, dtype) for h in (hq, hkv, hkv))
         fmt.write(store.pages[0], k, v, meta.slot_mapping)
         if odd_scalars:
             for name, t in store.pages[0].items():
@@ -359,6 +361,25 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
+@pytest.mark.parametrize(("preset", "dtype"), [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.bfloat16),
+                                               ("turboquant_4bit_nc", torch.float32)])  # fmt: skip
+def test_narrow_parked_query_equals_held(preset, dtype, narrow_spy, monkeypatch):
+    """The in-kernel rotated query parked in the program's output rows and read back (`_park_q4`)
+    gives the outputs of the slices held in registers, bit for bit: decode and verify, the output
+    written directly (one split) and split-K partials. (The interpreter parks float32 models' queries
+    only: a bfloat16 output row has no room for its float32 slices.)"""
+    monkeypatch.setattr(narrow, "QROT", 1)
+    for run in _steps(preset, 128, seed=17, dtype=dtype):
+        for splits in (None, 1, 3):
+            outs = []
+            for on in (1, 0):
+                monkeypatch.setattr(narrow, "PARK", on)
+                outs.append(run(num_splits=splits))
+            assert not outs[0].isnan().any()
+            assert torch.equal(outs[0], outs[1])
+    assert len(narrow_spy) == 12
+
+
 def test_rotates_query_rule(monkeypatch):
     """By default the kernel rotates the query of decode steps over exact-copy layouts at d = 128 and
     prefetches their first pages (`QROT_EXACT_DECODE`); verify steps, other layouts and other head
@@ -373,6 +394,10 @@ def test_rotates_query_rule(monkeypatch):
     monkeypatch.setattr(narrow, "QROT", 0)
     monkeypatch.setattr(narrow, "QROT_EXACT_DECODE", 0)
     assert not narrow.rotates_query(tq3, 128, 1)
+    monkeypatch.setattr(narrow, "PARK_DECODE", 1)  # 4-bit keys without exact copies: rotated and parked
+    assert narrow.rotates_query(nc4, 128, 1) and narrow.parks_query(nc4, 128, 1)
+    assert not narrow.rotates_query(nc4, 128, 5) and not narrow.rotates_query(tq3, 128, 1)
+    assert not narrow.rotates_query(_layout("turboquant_3bit_nc", d=128), 128, 1)
     monkeypatch.setattr(narrow, "_interpreting", lambda: False)
     assert narrow.prefetch_pages(16, tuned=True) > 0 and narrow.prefetch_pages(16) == 0
 

@@ -120,6 +120,15 @@ PAIR_SCALARS = 1
 # 0.4889, 0.0852 / 0.0863: so 4-bit keys only.
 QROT = 0
 QROT_EXACT_DECODE = 1
+# Park the in-kernel rotated query (`_park_q4`): the rotation's slices are written to this program's own
+# output row (its split-K partial, overwritten at the end) and read back in the layout the key dots
+# load a pre-rotated query in, so the key loop is the one without the rotation (the rotated slices held
+# across the loop cost 4bit_nc's 128-register loop 16 shuffles and permutes per tile). PARK_DECODE:
+# decode steps with 4-bit keys at d = 128 over layouts without exact copies rotate in the kernel this
+# way (instead of a `rotate_rows` launch); PARK = 1 parks wherever the kernel rotates (A/B).
+PARK = 0
+PARK_DECODE = 0
+PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exact_decode_rotation`'s)
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
 # (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
 # decoders take 2.5 and a byte -> 16-bit unpacking), in decode / wider steps (0: the word decoders of
@@ -250,7 +259,26 @@ def rotates_query(layout, head_dim: int, max_query_len: int = 1) -> bool:
     sk = paged_decode.slices(layout.key_bits)
     if not (head_dim & (head_dim - 1) == 0 and head_dim // sk >= 16 and layout.key_rotation is not None):
         return False
-    return bool(QROT) or exact_decode_rotation(layout, head_dim, max_query_len)
+    return bool(QROT) or exact_decode_rotation(layout, head_dim, max_query_len) or park_decode(layout, head_dim, max_query_len)
+
+
+def park_decode(layout, head_dim: int, max_query_len: int) -> bool:
+    """Decode steps with 4-bit keys at d = 128 over layouts without exact copies: the kernel rotates
+    the query and parks it (`PARK_DECODE`)."""
+    exact = bool(layout.sink or layout.window)
+    return bool(PARK_DECODE) and max_query_len <= 1 and head_dim == 128 and not exact and layout.key_bits == 4
+
+
+def _tuned_prefetch(layout, head_dim: int, max_query_len: int) -> bool:
+    """Steps whose kernel rotates the query by a tuned rule prefetch their first pages."""
+    return exact_decode_rotation(layout, head_dim, max_query_len) or (
+        bool(PARK_PREFETCH) and park_decode(layout, head_dim, max_query_len)
+    )
+
+
+def parks_query(layout, head_dim: int, max_query_len: int) -> bool:
+    """Whether a kernel that rotates the query parks it (`_park_q4`)."""
+    return bool(PARK) or park_decode(layout, head_dim, max_query_len)
 
 
 def exact_decode_rotation(layout, head_dim: int, max_query_len: int) -> bool:
@@ -357,7 +385,7 @@ def plan(
     key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
     key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
-    key += (PREFETCH, exact_decode_rotation(layout, head_dim, max_query_len))
+    key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -425,6 +453,27 @@ def _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
     y0, y2 = _bfly(y0, y2)
     y1, y3 = _bfly(y1, y3)
     return (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T)
+
+
+@triton.jit
+def _park_q4(obase, h_ok, q0, q1, q2, q3, D: tl.constexpr):
+    """The rotated slices written to this program's output rows obase ([1, N] pointers; the split's
+    partial or the output itself, which the kernel writes last) in their own dtype, bit for bit, and
+    read back: the barrier keeps the compiler from forwarding them, so the loop takes the slices in
+    the layout of `_q_cols`' loads. Same values, coordinate 4 g + j of each column."""
+    base = obase.to(tl.pointer_type(q0.dtype))
+    g4 = 4 * tl.arange(0, D // 4)[:, None]
+    m = h_ok[None, :]
+    tl.store(base + g4, q0, mask=m)
+    tl.store(base + g4 + 1, q1, mask=m)
+    tl.store(base + g4 + 2, q2, mask=m)
+    tl.store(base + g4 + 3, q3, mask=m)
+    tl.debug_barrier()
+    r0 = tl.load(base + g4, mask=m, other=0.0)
+    r1 = tl.load(base + g4 + 1, mask=m, other=0.0)
+    r2 = tl.load(base + g4 + 2, mask=m, other=0.0)
+    r3 = tl.load(base + g4 + 3, mask=m, other=0.0)
+    return r0, r1, r2, r3
 
 
 @triton.jit
@@ -658,7 +707,7 @@ def _narrow_decode_kernel(
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
-    VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr,
+    VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -708,6 +757,8 @@ def _narrow_decode_kernel(
         q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
     elif QROT:
         q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
+        if PARKQ and pk_t.primitive_bitwidth <= out_ptr.dtype.element_ty.primitive_bitwidth:
+            q0, q1, q2, q3 = _park_q4(obase, h_ok, q0, q1, q2, q3, D)
     else:
         q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
         q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
@@ -981,7 +1032,8 @@ def launch(
         LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
         VPERM=value_rows(layout, meta.max_query_len),
-        PREFETCH=prefetch_pages(kp.shape[2], rot is not None and exact_decode_rotation(layout, d, meta.max_query_len)),
+        PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
+        PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
