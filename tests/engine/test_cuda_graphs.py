@@ -179,10 +179,12 @@ def test_replay_equals_eager_bitwise(gguf_path, kv):
 
 
 @pytest.mark.gpu
-def test_replay_equals_eager_bitwise_query_rotated_in_kernel(tmp_path, monkeypatch):
-    """A head size of 128 on tq3 pages: decode steps rotate the query inside the narrow kernel and
-    prefetch their first pages (`paged_decode_narrow.exact_decode_rotation`; SmolLM2's 64 takes the
-    rotation launch). Graph replays give exactly the tokens of the same padded steps run eagerly."""
+@pytest.mark.parametrize(("kv", "rule_name"), [("tq3", "exact_decode_rotation"), ("turboquant_4bit_nc", "park_decode")])
+def test_replay_equals_eager_bitwise_query_rotated_in_kernel(tmp_path, monkeypatch, kv, rule_name):
+    """A head size of 128: decode steps rotate the query inside the narrow kernel, on tq3 pages holding
+    it and prefetching their first pages (`paged_decode_narrow.exact_decode_rotation`), on
+    turboquant_4bit_nc pages parking it in the output rows (`park_decode`); SmolLM2's 64 takes the
+    rotation launch. Graph replays give exactly the tokens of the same padded steps run eagerly."""
     import model_factory
 
     from tqserve.attention import paged_decode_narrow as narrow
@@ -191,15 +193,15 @@ def test_replay_equals_eager_bitwise_query_rotated_in_kernel(tmp_path, monkeypat
         str(tmp_path), "llama", hidden_size=8 * 128, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=256, max_position_embeddings=1024,
     )  # fmt: skip
-    rule = narrow.exact_decode_rotation
+    rule = getattr(narrow, rule_name)
     taken = []
-    monkeypatch.setattr(narrow, "exact_decode_rotation", lambda *a: taken.append(rule(*a)) or taken[-1])
+    monkeypatch.setattr(narrow, rule_name, lambda *a: taken.append(rule(*a)) or taken[-1])
     lengths = (3, 40, 70, 130, 200, 333, 410, 17)  # past the sink + window of 52, so packed pages are read
     prompts = [{"prompt_token_ids": [(7 + 31 * i + 17 * j) % 250 for j in range(n)]} for i, n in enumerate(lengths)]
-    llm = _engine(None, "bfloat16", "tq3", model=str(tmp_path))
+    llm = _engine(None, "bfloat16", kv, model=str(tmp_path))
     got, replays = _run(llm, prompts)
     assert any(taken), "no step rotated its query in the kernel"
-    llm = _engine(None, "bfloat16", "tq3", model=str(tmp_path))
+    llm = _engine(None, "bfloat16", kv, model=str(tmp_path))
     runner = llm.engine.runner
     runner.graphs = _EagerPadded(runner.graphs, runner)
     ref, eager_steps = _run(llm, prompts)

@@ -265,9 +265,7 @@ def test_narrow_3bit_value_bytes_equal_words(narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
-def _steps(
-    preset: str, d: int, seed: int, nan_pages: bool = False, odd_scalars: bool = False, dtype=torch.bfloat16
-):
+def _steps(preset: str, d: int, seed: int, nan_pages: bool = False, odd_scalars: bool = False, dtype=torch.bfloat16):
     """A decode and a verify step (8 / 2 heads, odd sequence lengths) over pages
     written through the format's torch codec, each as run(**kw): `paged_attention` on them. With `nan_pages`,
     every page slot no request wrote holds NaN; with `odd_scalars`, the fp16 scalar tensors are views
@@ -355,6 +353,7 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
             monkeypatch.setattr(narrow, "QROT", on)
             monkeypatch.setattr(narrow, "QROT_EXACT_DECODE", on)
             monkeypatch.setattr(narrow, "PREFETCH", on)
+            monkeypatch.setattr(narrow, "PARK_DECODE", on)
             outs.append(run().float())
         err = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
         assert err < 4e-3, err  # bf16 outputs: a last-bit flip at most
@@ -381,23 +380,24 @@ def test_narrow_parked_query_equals_held(preset, dtype, narrow_spy, monkeypatch)
 
 
 def test_rotates_query_rule(monkeypatch):
-    """By default the kernel rotates the query of decode steps over exact-copy layouts at d = 128 and
-    prefetches their first pages (`QROT_EXACT_DECODE`); verify steps, other layouts and other head
-    sizes take `rotate_rows`; QROT = 1 rotates in every eligible step."""
+    """By default the kernel rotates the query of decode steps at d = 128 with 4-bit keys: over
+    exact-copy layouts holding the slices and prefetching their first pages (`QROT_EXACT_DECODE`),
+    over the others parking them (`PARK_DECODE`); verify steps, 3-bit keys and other head sizes take
+    `rotate_rows`; QROT = 1 rotates in every eligible step."""
     tq3, nc4 = _layout("tq3", d=128), _layout("turboquant_4bit_nc", d=128)
     assert narrow.rotates_query(tq3, 128, 1) and narrow.exact_decode_rotation(tq3, 128, 1)
-    assert not narrow.rotates_query(tq3, 128, 5)
-    assert not narrow.rotates_query(nc4, 128, 1)
+    assert not narrow.parks_query(tq3, 128, 1)
+    assert narrow.rotates_query(nc4, 128, 1) and narrow.parks_query(nc4, 128, 1)
+    assert not narrow.rotates_query(tq3, 128, 5) and not narrow.rotates_query(nc4, 128, 5)
+    assert not narrow.rotates_query(_layout("turboquant_3bit_nc", d=128), 128, 1)
     assert not narrow.rotates_query(_layout("tq3", d=64), 64, 1)
+    assert not narrow.rotates_query(_layout("turboquant_4bit_nc", d=64), 64, 1)
     monkeypatch.setattr(narrow, "QROT", 1)
-    assert narrow.rotates_query(tq3, 128, 5) and narrow.rotates_query(nc4, 128, 1)
+    assert narrow.rotates_query(tq3, 128, 5) and narrow.rotates_query(nc4, 128, 5)
     monkeypatch.setattr(narrow, "QROT", 0)
     monkeypatch.setattr(narrow, "QROT_EXACT_DECODE", 0)
-    assert not narrow.rotates_query(tq3, 128, 1)
-    monkeypatch.setattr(narrow, "PARK_DECODE", 1)  # 4-bit keys without exact copies: rotated and parked
-    assert narrow.rotates_query(nc4, 128, 1) and narrow.parks_query(nc4, 128, 1)
-    assert not narrow.rotates_query(nc4, 128, 5) and not narrow.rotates_query(tq3, 128, 1)
-    assert not narrow.rotates_query(_layout("turboquant_3bit_nc", d=128), 128, 1)
+    monkeypatch.setattr(narrow, "PARK_DECODE", 0)
+    assert not narrow.rotates_query(tq3, 128, 1) and not narrow.rotates_query(nc4, 128, 1)
     monkeypatch.setattr(narrow, "_interpreting", lambda: False)
     assert narrow.prefetch_pages(16, tuned=True) > 0 and narrow.prefetch_pages(16) == 0
 

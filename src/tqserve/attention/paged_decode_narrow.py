@@ -121,13 +121,19 @@ PAIR_SCALARS = 1
 QROT = 0
 QROT_EXACT_DECODE = 1
 # Park the in-kernel rotated query (`_park_q4`): the rotation's slices are written to this program's own
-# output row (its split-K partial, overwritten at the end) and read back in the layout the key dots
-# load a pre-rotated query in, so the key loop is the one without the rotation (the rotated slices held
-# across the loop cost 4bit_nc's 128-register loop 16 shuffles and permutes per tile). PARK_DECODE:
-# decode steps with 4-bit keys at d = 128 over layouts without exact copies rotate in the kernel this
-# way (instead of a `rotate_rows` launch); PARK = 1 parks wherever the kernel rotates (A/B).
+# output row (its split-K partial, or the output itself; both written last) and read back in the layout
+# the key dots load a pre-rotated query in, so the key loop is the one without the rotation (held in
+# registers across the loop, the rotated slices cost 4bit_nc's 128-register loop 16 shuffles and
+# permutes per 32-key tile: 887 -> 917 sm_90 instructions; parked: 890). PARK_DECODE: decode steps with
+# 4-bit keys at d = 128 over layouts without exact copies rotate in the kernel this way instead of a
+# `rotate_rows` launch; PARK = 1 parks wherever the kernel rotates (A/B). H100, twenty-second session,
+# CUDA-graph replays, medians of 3 rounds, same call (off -> PARK_DECODE):
+# - turboquant_4bit_nc 1 x 128K 0.0808 -> 0.0801 ms, 32 x 32K 0.4786 -> 0.4725;
+# - with the L2 prefetch of the first pages too (`PARK_PREFETCH`): 0.0816, 0.4767 (not taken);
+# - PARK = 1 on tq3's exact-copy decode (rotated in the kernel already): 0.0786 -> 0.0815 ms,
+#   0.4571 -> 0.4674 (its 168-register loop holds the slices at no cost; not taken).
 PARK = 0
-PARK_DECODE = 0
+PARK_DECODE = 1
 PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exact_decode_rotation`'s)
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
 # (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
@@ -254,12 +260,14 @@ def launch_config(
 def rotates_query(layout, head_dim: int, max_query_len: int = 1) -> bool:
     """Whether the kernel rotates the query itself: a power-of-two head size (R is one randomized
     Hadamard block, `kvquant.rotation`) with at least 16 coordinates per slice (the dot's minimum),
-    for every step with `QROT`, else decode steps over exact-copy layouts with 4-bit keys at d = 128
-    (`exact_decode_rotation`); otherwise `rotate.rotate_rows` runs before the launch."""
+    for every step with `QROT`, else decode steps with 4-bit keys at d = 128 (`exact_decode_rotation`
+    over exact-copy layouts, `park_decode` over the others); otherwise `rotate.rotate_rows` runs
+    before the launch."""
     sk = paged_decode.slices(layout.key_bits)
     if not (head_dim & (head_dim - 1) == 0 and head_dim // sk >= 16 and layout.key_rotation is not None):
         return False
-    return bool(QROT) or exact_decode_rotation(layout, head_dim, max_query_len) or park_decode(layout, head_dim, max_query_len)
+    tuned = exact_decode_rotation(layout, head_dim, max_query_len) or park_decode(layout, head_dim, max_query_len)
+    return bool(QROT) or tuned
 
 
 def park_decode(layout, head_dim: int, max_query_len: int) -> bool:
