@@ -15,7 +15,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def _outputs(path, kv: str, warm: bool, prompts) -> list[list[int]]:
-    llm = LLM(path, dtype="float32", max_model_len=256, kv_cache_dtype=kv, max_num_seqs=4)
+    # the CPU whatever the machine has: float32 models run there (a GPU engine serves 16-bit ones)
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=256, kv_cache_dtype=kv, max_num_seqs=4)
     if warm:
         llm.engine.runner._warmup_kernels()
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
