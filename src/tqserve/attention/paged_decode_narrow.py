@@ -105,8 +105,9 @@ LAZY_MIN_COLS = 32
 PAIR_SCALARS = 1
 # Rotate the query inside the kernel (`rotates_query`) instead of a `rotate_rows` launch before it
 # (1 x 128K: 3.3 of ~80 us). QROT = 1 does it for every eligible step (A/B timing; tests check it
-# against `rotate_rows`); by default only decode steps over exact-copy layouts with 4-bit keys at
-# d = 128 do, with the L2 prefetch of their first pages (`QROT_EXACT_DECODE`). The query is read in
+# against `rotate_rows`); by default decode steps with 4-bit keys at d = 128 do: over exact-copy layouts
+# with the L2 prefetch of their first pages (`QROT_EXACT_DECODE`), over the others parked (`PARK_DECODE`,
+# below). The query is read in
 # one load and its slices cut in registers (twenty-first session; one dependent load per slice before).
 # H100, twenty-first session, CUDA-graph replays, medians of 3 rounds, same call (off / on / on +
 # prefetch):
@@ -131,7 +132,7 @@ QROT_EXACT_DECODE = 1
 # - turboquant_4bit_nc 1 x 128K 0.0808 -> 0.0801 ms, 32 x 32K 0.4786 -> 0.4725;
 # - with the L2 prefetch of the first pages too (`PARK_PREFETCH`): 0.0816, 0.4767 (not taken);
 # - PARK = 1 on tq3's exact-copy decode (rotated in the kernel already): 0.0786 -> 0.0815 ms,
-#   0.4571 -> 0.4674 (its 168-register loop holds the slices at no cost; not taken).
+#   0.4571 -> 0.4674, although its loop is 26 instructions shorter (1,883 -> 1,857); not taken.
 PARK = 0
 PARK_DECODE = 1
 PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exact_decode_rotation`'s)
