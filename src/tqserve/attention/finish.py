@@ -27,8 +27,12 @@ import triton.language as tl
 
 from tqserve.attention.tuning import MAX_SPLITS, NARROW_MAX_SPLITS
 
-# Largest [splits, columns] tile of one combine program (float32 elements; 32 per thread at 4 warps).
+# Largest [splits, columns] tile of one combine program (float32 elements; 32 per thread at 4 warps),
+# its warps and the fewest columns it takes (A/B knobs: a one-warp program reduces over the splits in
+# shuffles only).
 COMBINE_TILE = 4096
+COMBINE_WARPS = 4
+COMBINE_MIN_W = 16
 # Rows x output columns of one `_finish_kernel` program (tl.dot needs 16 of each).
 FINISH_ROWS = 16
 FINISH_COLS = 64
@@ -90,7 +94,7 @@ def _finish_kernel(
 
 def combine_width(splits: int, w: int) -> int:
     """Columns per combine program: the row's whole width unless [splits, width] passes COMBINE_TILE."""
-    return max(16, min(triton.next_power_of_2(w), COMBINE_TILE // triton.next_power_of_2(splits)))
+    return max(COMBINE_MIN_W, min(triton.next_power_of_2(w), COMBINE_TILE // triton.next_power_of_2(splits)))
 
 
 def combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int) -> None:
@@ -99,7 +103,7 @@ def combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int
     bw = combine_width(splits, w)
     _split_reduce_kernel[(num_tokens, hq, triton.cdiv(w, bw))](
         part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-        W=w, BW=bw, SP=triton.next_power_of_2(splits),
+        W=w, BW=bw, SP=triton.next_power_of_2(splits), num_warps=COMBINE_WARPS,
     )  # fmt: skip
 
 
