@@ -197,6 +197,8 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALE
     the NCELL entries and are read at the index found. A second, dependent load, but a warp's
     gathers touch half the cache lines of 16-byte entries that also held c[base] and c[base + 1]
     (H100: turboquant_4bit_nc store 0.0588 -> 0.0495 ms, tq_k4v4_ub 0.0801 -> 0.0688).
+    SCALED picks the centroid column read: 0 the centroids, L (their count) the centroids times
+    2^SCALE_QS that `_tq_scale_terms` takes.
     |y| <= 1.01 stays inside the table; the unsigned clamp keeps NaN or out-of-range rows in it.
 
     On the GPU the lookup is one inline-PTX block (an 8-byte load per element, its address by one
@@ -370,22 +372,6 @@ def _load_tile(x_ptr, xrow, tok_ok, col0, W: tl.constexpr):
 
 
 @triton.jit
-def _load_signed(x_ptr, xrow, tok_ok, col0, W: tl.constexpr, had_ptr, HS: tl.constexpr):
-    """`_load_tile` with the rotation's signs applied (diag(s) x): the sign bit of each column whose s
-    is -1 flipped, one xor per element in the input dtype (two per instruction for 16-bit inputs),
-    exact; had_ptr holds H_HS (fp16, HS x HS), then the head's signs (fp16 +-1)."""
-    x = _load_tile(x_ptr, xrow, tok_ok, col0, W)
-    c = col0 + tl.arange(0, W)
-    neg = tl.load(had_ptr.to(tl.pointer_type(tl.int16)) + HS * HS + c) < 0  # fp16 -1.0 has its sign bit set
-    if x.dtype.primitive_bitwidth == 16:
-        flip = tl.where(neg, -32768, 0).to(tl.int16)
-        return (x.to(tl.int16, bitcast=True) ^ flip[None, :]).to(x.dtype, bitcast=True)
-    else:
-        flip = tl.where(neg, -2147483648, 0).to(tl.int32)
-        return (x.to(tl.int32, bitcast=True) ^ flip[None, :]).to(x.dtype, bitcast=True)
-
-
-@triton.jit
 def _absmax(x):
     """The rows' largest |x| (exact in the input dtype), float32."""
     return tl.max(tl.abs(x), 1).to(tl.float32)
@@ -415,8 +401,8 @@ def _fixed_point(x, p):
 
 @triton.jit
 def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
-    """z = xi @ H_W for the integer tile xi [BT, W] (float32, |xi| <= 2^11, the signs already applied
-    by `_load_signed`) at column col0, exact: xi and the +-1 of H are exact in fp16, so the tensor-core
+    """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (float32, |xi| <= 2^11) at column col0,
+    exact: the signs flip xi's columns, and xi and the +-1 of H are exact in fp16, so the tensor-core
     dot sums W <= 64 exact products into a float32 accumulator: every partial sum is an integer of
     at most 2^17, so no order or accumulator width can round it. had_ptr holds the unsigned H_HS
     (fp16, HS x HS), then the head's signs; hw is H_HS, loaded once per program for the tiles of width
