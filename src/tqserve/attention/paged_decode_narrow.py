@@ -271,11 +271,22 @@ def rotates_query(layout, head_dim: int, max_query_len: int = 1) -> bool:
     return bool(QROT) or tuned
 
 
+def _rotating_decode(layout, head_dim: int, max_query_len: int) -> bool:
+    """Decode steps with 4-bit keys at d = 128: the steps whose kernel rotates the query by default."""
+    return max_query_len <= 1 and head_dim == 128 and layout.key_bits == 4
+
+
 def park_decode(layout, head_dim: int, max_query_len: int) -> bool:
-    """Decode steps with 4-bit keys at d = 128 over layouts without exact copies: the kernel rotates
-    the query and parks it (`PARK_DECODE`)."""
+    """Those over layouts without exact copies: the kernel rotates the query and parks it (`PARK_DECODE`)."""
     exact = bool(layout.sink or layout.window)
-    return bool(PARK_DECODE) and max_query_len <= 1 and head_dim == 128 and not exact and layout.key_bits == 4
+    return bool(PARK_DECODE) and not exact and _rotating_decode(layout, head_dim, max_query_len)
+
+
+def exact_decode_rotation(layout, head_dim: int, max_query_len: int) -> bool:
+    """Those over exact-copy layouts: the kernel rotates the query, holds it and prefetches its first
+    pages (`QROT_EXACT_DECODE`)."""
+    exact = bool(layout.sink or layout.window)
+    return bool(QROT_EXACT_DECODE) and exact and _rotating_decode(layout, head_dim, max_query_len)
 
 
 def _tuned_prefetch(layout, head_dim: int, max_query_len: int) -> bool:
@@ -288,12 +299,6 @@ def _tuned_prefetch(layout, head_dim: int, max_query_len: int) -> bool:
 def parks_query(layout, head_dim: int, max_query_len: int) -> bool:
     """Whether a kernel that rotates the query parks it (`_park_q4`)."""
     return bool(PARK) or park_decode(layout, head_dim, max_query_len)
-
-
-def exact_decode_rotation(layout, head_dim: int, max_query_len: int) -> bool:
-    """The tuned part of `rotates_query`: decode steps over exact-copy layouts with 4-bit keys at d = 128."""
-    exact = bool(layout.sink or layout.window)
-    return bool(QROT_EXACT_DECODE) and max_query_len <= 1 and head_dim == 128 and exact and layout.key_bits == 4
 
 
 def pair_scalars(layout, n_cols: int, scalars: tuple = ()) -> bool:
@@ -325,8 +330,8 @@ def value_rows(layout, max_query_len: int) -> bool:
 
 def prefetch_pages(block_size: int, tuned: bool = False) -> int:
     """Pages each packed program prefetches into L2 before its first tile (`PREFETCH` key tiles' worth,
-    or one where `tuned`: the step rotates its query by `exact_decode_rotation`); 0 under the
-    interpreter, which runs no PTX."""
+    or one where `tuned`: the step rotates its query by a rule that prefetches, `_tuned_prefetch`); 0
+    under the interpreter, which runs no PTX."""
     if not (PREFETCH or tuned) or _interpreting():
         return 0
     return triton.next_power_of_2(max(1, max(PREFETCH, 1) * max(NUM_STAGES, 2) * BLOCK_N // block_size))
