@@ -127,13 +127,16 @@ def _packed_rows(out: torch.Tensor) -> bool:
     return out.stride(-1) == 1 and out.stride(-2) == out.shape[-1]
 
 
-def finish_parts(part, lse, out, splits: int, npart: int, layout, meta, T: int, hq: int, d: int):
+def finish_parts(
+    part, lse, out, splits: int, npart: int, layout, meta, T: int, hq: int, d: int, unrotated: bool = False
+):
     """Shared tail of the paged kernels' launchers: combine split-K partials, rotate codebook values
     back (rows y R), add the exact-value part when the kernel wrote one, zero graph-padding rows.
 
     part: [splits, T, hq, npart * d] float32 (or `out` itself when the kernel wrote it directly);
-    lse: [splits, T, hq]. Returns `out`."""
-    rotated = layout.rotated_values
+    lse: [splits, T, hq]. `unrotated`: the kernel took codebook values out of the rotated space itself
+    (`paged_decode_narrow.unrotates_values`). Returns `out`."""
+    rotated = layout.rotated_values and not unrotated
     tail = rotated or npart == 2
     if splits > 1:
         w = npart * d
@@ -157,11 +160,15 @@ def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device
     which split count a step gets depends on its lengths and batch, so the engine's warm-up steps
     cannot reach them all."""
     rotated = layout.rotated_values
-    tail_widths = {1} if rotated else set()
-    combos = {(1, torch.float32 if rotated else model_dtype)}  # finish_parts writes `out` directly when it can
+    # (npart, rotated back here): codebook values are rotated back by `_finish_kernel`, or by the decode
+    # kernel itself (`paged_decode_narrow.unrotates_values`), whose combine then writes `out` directly
+    tails = {(1, True)} if rotated else set()
+    combos = {(1, model_dtype)}  # finish_parts writes `out` directly when it can
+    if rotated:
+        combos.add((1, torch.float32))
     if layout.sink or layout.window:
         combos.add((2, torch.float32))  # the exact-value part beside the page part
-        tail_widths.add(2)
+        tails |= {(2, rotated), (2, False)}
     for npart, red_dtype in sorted(combos, key=str):
         w = npart * d
         red = torch.empty((1, hq, w), device=device, dtype=red_dtype)
@@ -172,6 +179,6 @@ def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device
             combine_splits(part, lse, red, splits, 1, hq, w)
             splits *= 2
     out = torch.empty((1, hq, d), device=device, dtype=model_dtype)
-    for npart in sorted(tail_widths):
+    for npart, back in sorted(tails):
         src = torch.zeros((hq, npart * d), device=device, dtype=torch.float32)
-        _finish(src, layout.val_rotation if rotated else None, out, npart, 1)
+        _finish(src, layout.val_rotation if back else None, out, npart, 1)

@@ -1043,7 +1043,8 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     rot_in_kernel = use_narrow and narrow.rotates_query(layout, d, meta.max_query_len)
     if not rot_in_kernel:
         q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
-    rotated = layout.rotated_values
+    vrot_in_kernel = use_narrow and narrow.unrotates_values(layout, d)
+    rotated = layout.rotated_values and not vrot_in_kernel
     npart = 2 if exact_copies else 1  # exact values accumulate beside the sliced page accumulators
     if out is None:
         out = torch.empty_like(qx)
@@ -1081,9 +1082,9 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         narrow.launch(
             q, kp, ks, vp, vs, vz, kcb, vcb, meta, part, lse, stride_os, splits, split_n, scale * LOG2E,
             layout, kasm, vasm, dot_f32, prec, warps, block_n, stages, narrow_key, (qx, k_new, v_new, rk, rv, sk, sv),
-            layout.key_rotation if rot_in_kernel else None,
+            layout.key_rotation if rot_in_kernel else None, layout.val_rotation if vrot_in_kernel else None,
         )  # fmt: skip
-        return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
+        return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d, vrot_in_kernel)
     grid = (n_qblocks, meta.num_reqs * hkv, splits)
     phased = exact_copies and bq * gp >= EXACT_PHASED_ROWS
     LAST_LAUNCH["kernel"] = _decode_kernel[grid](

@@ -136,6 +136,13 @@ QROT_EXACT_DECODE = 1
 PARK = 0
 PARK_DECODE = 1
 PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exact_decode_rotation`'s)
+# Undo the value rotation in each program's epilogue (`unrotates_values`): the accumulators of codebook
+# values are in the rotated space, and R^T = diag(s) H / sqrt(d) is applied to them before the split's
+# partial (or the output) is written, as one [d / S, d / S] Hadamard dot per slice and a butterfly across
+# the slices (`_unrotate4`, `_unrotate8`). The split-K combine is linear, so it then writes the step's
+# output itself and `finish._finish_kernel` (the rotation back, one more launch) is not needed: one
+# launch fewer per step for every TurboQuant-value preset.
+VROT = 1
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
 # (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
 # decoders take 2.5 and a byte -> 16-bit unpacking), in decode / wider steps (0: the word decoders of
@@ -296,6 +303,14 @@ def _tuned_prefetch(layout, head_dim: int, max_query_len: int) -> bool:
     )
 
 
+def unrotates_values(layout, head_dim: int) -> bool:
+    """Whether the kernel takes codebook values out of the rotated space itself (`VROT`): a power-of-two
+    head size (R = H diag(s) / sqrt(d), one Hadamard block) with at least 16 coordinates per slice."""
+    sv = paged_decode.slices(layout.val_bits)
+    pow2 = head_dim & (head_dim - 1) == 0
+    return bool(VROT) and layout.rotated_values and layout.val_rotation is not None and pow2 and head_dim // sv >= 16
+
+
 def parks_query(layout, head_dim: int, max_query_len: int) -> bool:
     """Whether a kernel that rotates the query parks it (`_park_q4`)."""
     return bool(PARK) or park_decode(layout, head_dim, max_query_len)
@@ -400,6 +415,7 @@ def plan(
     key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
     key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
+    key += (unrotates_values(layout, head_dim),)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -415,14 +431,20 @@ def _q_cols(q_ptr, tok, hq, h_ok, j: tl.constexpr, qk_scale, S: tl.constexpr, D:
 
 
 @triton.jit
-def _sylvester(n: tl.constexpr):
-    """Sylvester's [n, n] Hadamard matrix, H[i, j] = (-1) ** popcount(i & j), float32 (n <= 256)."""
-    i = tl.arange(0, n)
-    x = i[:, None] & i[None, :]
+def _hadamard(i, j):
+    """Rows i, columns j of Sylvester's Hadamard matrix, H[i, j] = (-1) ** popcount(i & j), float32
+    (indices < 256)."""
+    x = i[:, None] & j[None, :]
     x = x ^ (x >> 4)
     x = x ^ (x >> 2)
     x = x ^ (x >> 1)
     return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
+def _sylvester(n: tl.constexpr):
+    """Sylvester's [n, n] Hadamard matrix (n <= 256)."""
+    return _hadamard(tl.arange(0, n), tl.arange(0, n))
 
 
 @triton.jit
@@ -521,6 +543,56 @@ def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
     return (
         (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T),
         (y4 * scale).to(OUT_T), (y5 * scale).to(OUT_T), (y6 * scale).to(OUT_T), (y7 * scale).to(OUT_T),
+    )  # fmt: skip
+
+
+@triton.jit
+def _unrotated(y, vr_ptr, g, j: tl.constexpr, S: tl.constexpr):
+    """Slice j of H_d y times s / sqrt(d), read from R's first row (R[0, i] = s_i / sqrt(d))."""
+    return y * tl.load(vr_ptr + S * g + j)[:, None]
+
+
+@triton.jit
+def _unrotate4(a0, a1, a2, a3, vr_ptr, D: tl.constexpr, VPERM: tl.constexpr, PREC: tl.constexpr):
+    """R^T on four accumulator slices (slice j: coordinates 4 g + j, rows in `_word_rows` order), float32:
+    R^T y = s * (H_D y) / sqrt(D) with H_D = H_{D/4} (over g) x H_4 (over j), so each slice takes one dot
+    with H_{D/4} in the rows' order and a 2-stage butterfly mixes the four (as `_rot_q4`, transposed)."""
+    g = _word_rows(D // 4, VPERM)
+    y0, y1, y2, y3 = _hdot4(_hadamard(g, g), a0, a1, a2, a3, PREC)
+    y0, y1 = _bfly(y0, y1)
+    y2, y3 = _bfly(y2, y3)
+    y0, y2 = _bfly(y0, y2)
+    y1, y3 = _bfly(y1, y3)
+    return (
+        _unrotated(y0, vr_ptr, g, 0, 4), _unrotated(y1, vr_ptr, g, 1, 4),
+        _unrotated(y2, vr_ptr, g, 2, 4), _unrotated(y3, vr_ptr, g, 3, 4),
+    )  # fmt: skip
+
+
+@triton.jit
+def _unrotate8(a0, a1, a2, a3, a4, a5, a6, a7, vr_ptr, D: tl.constexpr, VPERM: tl.constexpr, PREC: tl.constexpr):
+    """`_unrotate4` for 8 coordinates per group (3-bit codes): H_D = H_{D/8} x H_8, a 3-stage butterfly."""
+    g = _word_rows(D // 8, VPERM)
+    h = _hadamard(g, g)
+    y0, y1, y2, y3 = _hdot4(h, a0, a1, a2, a3, PREC)
+    y4, y5, y6, y7 = _hdot4(h, a4, a5, a6, a7, PREC)
+    y0, y1 = _bfly(y0, y1)
+    y2, y3 = _bfly(y2, y3)
+    y4, y5 = _bfly(y4, y5)
+    y6, y7 = _bfly(y6, y7)
+    y0, y2 = _bfly(y0, y2)
+    y1, y3 = _bfly(y1, y3)
+    y4, y6 = _bfly(y4, y6)
+    y5, y7 = _bfly(y5, y7)
+    y0, y4 = _bfly(y0, y4)
+    y1, y5 = _bfly(y1, y5)
+    y2, y6 = _bfly(y2, y6)
+    y3, y7 = _bfly(y3, y7)
+    return (
+        _unrotated(y0, vr_ptr, g, 0, 8), _unrotated(y1, vr_ptr, g, 1, 8),
+        _unrotated(y2, vr_ptr, g, 2, 8), _unrotated(y3, vr_ptr, g, 3, 8),
+        _unrotated(y4, vr_ptr, g, 4, 8), _unrotated(y5, vr_ptr, g, 5, 8),
+        _unrotated(y6, vr_ptr, g, 6, 8), _unrotated(y7, vr_ptr, g, 7, 8),
     )  # fmt: skip
 
 
@@ -710,7 +782,7 @@ def _finish_group(obase, lse_row, m_i, l_i, h_ok, D: tl.constexpr, HAS_EXACT: tl
 @triton.jit(do_not_specialize=["stride_ls"])
 def _narrow_decode_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
-    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr,
+    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr, vr_ptr,
     stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, stride_qxt, stride_knt, stride_vnt,
     split_n, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, N2: tl.constexpr, NX: tl.constexpr,
@@ -722,6 +794,7 @@ def _narrow_decode_kernel(
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
+    VROT: tl.constexpr, RPREC: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -960,6 +1033,11 @@ def _narrow_decode_kernel(
             if N2 > 0:
                 b7 = tl.dot(v, pv2, b7, input_precision=PREC)
 
+    if VROT:  # codebook values: out of the rotated space before the split's partial is written
+        if SV == 8:
+            a0, a1, a2, a3, a4, a5, a6, a7 = _unrotate8(a0, a1, a2, a3, a4, a5, a6, a7, vr_ptr, D, VPERM, RPREC)
+        else:
+            a0, a1, a2, a3 = _unrotate4(a0, a1, a2, a3, vr_ptr, D, VPERM, RPREC)
     vs = vsum[None, :]
     l_safe = _finish_group(
         obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, HAS_EXACT, SPLIT
@@ -975,6 +1053,11 @@ def _narrow_decode_kernel(
         _store_cols(obase, a7 + vs, l_safe, h_ok, 7, SV, D, VPERM)
     if N2 > 0:
         obase2 = out_ptr + pid_s * stride_os + tok_c2[None, :] * stride_ot + hq2[None, :] * (NPART * D)
+        if VROT:
+            if SV == 8:
+                b0, b1, b2, b3, b4, b5, b6, b7 = _unrotate8(b0, b1, b2, b3, b4, b5, b6, b7, vr_ptr, D, VPERM, RPREC)
+            else:
+                b0, b1, b2, b3 = _unrotate4(b0, b1, b2, b3, vr_ptr, D, VPERM, RPREC)
         vs2 = vsum2[None, :]
         l_safe2 = _finish_group(
             obase2, lse_ptr + pid_s * stride_ls + tok_c2 * stride_lt + hq2, m_i2, l_i2, h_ok2, D, HAS_EXACT, SPLIT
@@ -1017,12 +1100,14 @@ def launch(
     key: tuple,
     exact: tuple,
     rot=None,
+    vrot=None,
 ) -> None:
     """Launch over (request x KV head, split) with `paged_decode.decode_attention`'s prepared buffers;
     the first launch of a configuration records its occupancy for `plan`. `exact`: (unrotated q, this
     step's k / v, ring k / v, sink k / v) for layouts with exact copies (the launcher's placeholders
     otherwise). `splits` counts the exact-pairs program (split 0) of exact-copy layouts. `rot`: the key
-    rotation R when q is the unrotated query and the kernel rotates it (`rotates_query`)."""
+    rotation R when q is the unrotated query and the kernel rotates it (`rotates_query`). `vrot`: the value
+    rotation when the kernel writes its accumulators out of the rotated space (`unrotates_values`)."""
     T, hq, d = q.shape
     hkv = kp.shape[1]
     qx, k_new, v_new, rk, rv, sk, sv = exact
@@ -1034,6 +1119,7 @@ def launch(
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
+        vrot if vrot is not None else qx,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
         qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_first, N2=n_second, NX=n_cols, D=d,
@@ -1048,6 +1134,7 @@ def launch(
         VPERM=value_rows(layout, meta.max_query_len),
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
+        VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
