@@ -385,23 +385,27 @@ def test_narrow_parked_query_equals_held(preset, dtype, narrow_spy, monkeypatch)
      ("tq_k4v2_nc", 128, torch.float32), ("turboquant_k3v4_nc", 128, torch.bfloat16)],
 )  # fmt: skip
 def test_narrow_unrotates_values_in_kernel(preset, d, dtype, narrow_spy, monkeypatch):
-    """Codebook values taken out of the rotated space in each program's epilogue (`VROT`: Hadamard dots
+    """Codebook values taken out of the rotated space in each program's epilogue (`VROT`, `VROT_DECODE`: Hadamard dots
     over the slices, butterflies, signs) against `finish._finish_kernel`'s rotation back after the
     combine: the same outputs to rounding, decode and verify, one split (the kernel writes the output)
     and several, 4 and 8 coordinates per slice (3-bit values: tq_k3v3_ub); min-max values
     (turboquant_k3v4_nc) and two Hadamard blocks (d = 96) are not taken."""
     lay = _layout(preset, d=d)
-    assert narrow.unrotates_values(lay, d) == lay.rotated_values
-    assert not narrow.unrotates_values(_layout("tq3", d=96), 96)
-    assert not narrow.unrotates_values(_layout("turboquant_3bit_nc", d=64), 64)  # 8 coordinates per slice
+    assert narrow.unrotates_values(lay, d, 5) == lay.rotated_values
+    assert not narrow.unrotates_values(lay, d, 1)  # decode steps: `VROT_DECODE`
+    assert not narrow.unrotates_values(_layout("tq3", d=96), 96, 5)
+    assert not narrow.unrotates_values(_layout("tq_k3v3_ub", d=64), 64, 5)  # 8 coordinates per slice
     monkeypatch.setattr(narrow, "VROT", 0)
-    assert not narrow.unrotates_values(lay, d)
+    assert not narrow.unrotates_values(lay, d, 5)
+    monkeypatch.setattr(narrow, "VROT_DECODE", 1)
+    assert narrow.unrotates_values(lay, d, 1) == lay.rotated_values
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16 outputs: a last-bit flip at most
     for run in _steps(preset, d, seed=19, dtype=dtype):
         for splits in (None, 1, 3):
             outs = []
             for on in (1, 0):
                 monkeypatch.setattr(narrow, "VROT", on)
+                monkeypatch.setattr(narrow, "VROT_DECODE", on)
                 outs.append(run(num_splits=splits).float())
             assert not outs[0].isnan().any()
             err = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())

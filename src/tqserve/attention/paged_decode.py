@@ -1043,7 +1043,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     rot_in_kernel = use_narrow and narrow.rotates_query(layout, d, meta.max_query_len)
     if not rot_in_kernel:
         q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
-    vrot_in_kernel = use_narrow and narrow.unrotates_values(layout, d)
+    vrot_in_kernel = use_narrow and narrow.unrotates_values(layout, d, meta.max_query_len)
     rotated = layout.rotated_values and not vrot_in_kernel
     npart = 2 if exact_copies else 1  # exact values accumulate beside the sliced page accumulators
     if out is None:

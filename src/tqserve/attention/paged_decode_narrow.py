@@ -140,9 +140,16 @@ PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exac
 # values are in the rotated space, and R^T = diag(s) H / sqrt(d) is applied to them before the split's
 # partial (or the output) is written, as one [d / S, d / S] Hadamard dot per slice and a butterfly across
 # the slices (`_unrotate4`, `_unrotate8`). The split-K combine is linear, so it then writes the step's
-# output itself and `finish._finish_kernel` (the rotation back, one more launch) is not needed: one
-# launch fewer per step for every TurboQuant-value preset.
+# output itself and `finish._finish_kernel` (the rotation back, one more launch) is not needed. Verify
+# steps do it (VROT); decode steps keep the launch (VROT_DECODE): their programs are short (8-16 key
+# tiles at 1 x 128K) and the epilogue's ~1,000 sm_90 instructions (tf32x3 dots, layout conversions)
+# plus a loop the compiler allocates ~1% longer cost more than the launch. H100, twenty-third session,
+# CUDA-graph replays, medians of 3 rounds, same call (on / off):
+# - verify 32 x 5 x 32K: tq3 0.7735 / 0.8280 ms, tq_k4v4_ub 0.7834 / 0.8131, tq_k4v4_nc 0.7839 / 0.8144;
+# - decode 32 x 32K: tq3 0.4674 / 0.4573, tq_k4v4_ub 0.6008 / 0.5645; 1 x 128K: tq3 0.0869 / 0.0789,
+#   tq_k4v4_ub 0.1027 / 0.0993.
 VROT = 1
+VROT_DECODE = 0
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
 # (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
 # decoders take 2.5 and a byte -> 16-bit unpacking), in decode / wider steps (0: the word decoders of
@@ -303,12 +310,14 @@ def _tuned_prefetch(layout, head_dim: int, max_query_len: int) -> bool:
     )
 
 
-def unrotates_values(layout, head_dim: int) -> bool:
-    """Whether the kernel takes codebook values out of the rotated space itself (`VROT`): a power-of-two
-    head size (R = H diag(s) / sqrt(d), one Hadamard block) with at least 16 coordinates per slice."""
+def unrotates_values(layout, head_dim: int, max_query_len: int) -> bool:
+    """Whether the kernel takes codebook values out of the rotated space itself (`VROT` for verify steps,
+    `VROT_DECODE` for decode steps): a power-of-two head size (R = H diag(s) / sqrt(d), one Hadamard
+    block) with at least 16 coordinates per slice."""
+    on = VROT if max_query_len > 1 else VROT_DECODE
     sv = paged_decode.slices(layout.val_bits)
     pow2 = head_dim & (head_dim - 1) == 0
-    return bool(VROT) and layout.rotated_values and layout.val_rotation is not None and pow2 and head_dim // sv >= 16
+    return bool(on) and layout.rotated_values and layout.val_rotation is not None and pow2 and head_dim // sv >= 16
 
 
 def parks_query(layout, head_dim: int, max_query_len: int) -> bool:
@@ -415,7 +424,7 @@ def plan(
     key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
     key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
-    key += (unrotates_values(layout, head_dim),)
+    key += (unrotates_values(layout, head_dim, max_query_len),)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -431,20 +440,14 @@ def _q_cols(q_ptr, tok, hq, h_ok, j: tl.constexpr, qk_scale, S: tl.constexpr, D:
 
 
 @triton.jit
-def _hadamard(i, j):
-    """Rows i, columns j of Sylvester's Hadamard matrix, H[i, j] = (-1) ** popcount(i & j), float32
-    (indices < 256)."""
-    x = i[:, None] & j[None, :]
+def _sylvester(n: tl.constexpr):
+    """Sylvester's [n, n] Hadamard matrix, H[i, j] = (-1) ** popcount(i & j), float32 (n <= 256)."""
+    i = tl.arange(0, n)
+    x = i[:, None] & i[None, :]
     x = x ^ (x >> 4)
     x = x ^ (x >> 2)
     x = x ^ (x >> 1)
     return 1.0 - 2.0 * (x & 1).to(tl.float32)
-
-
-@triton.jit
-def _sylvester(n: tl.constexpr):
-    """Sylvester's [n, n] Hadamard matrix (n <= 256)."""
-    return _hadamard(tl.arange(0, n), tl.arange(0, n))
 
 
 @triton.jit
@@ -556,13 +559,15 @@ def _unrotated(y, vr_ptr, g, j: tl.constexpr, S: tl.constexpr):
 def _unrotate4(a0, a1, a2, a3, vr_ptr, D: tl.constexpr, VPERM: tl.constexpr, PREC: tl.constexpr):
     """R^T on four accumulator slices (slice j: coordinates 4 g + j, rows in `_word_rows` order), float32:
     R^T y = s * (H_D y) / sqrt(D) with H_D = H_{D/4} (over g) x H_4 (over j), so each slice takes one dot
-    with H_{D/4} in the rows' order and a 2-stage butterfly mixes the four (as `_rot_q4`, transposed)."""
-    g = _word_rows(D // 4, VPERM)
-    y0, y1, y2, y3 = _hdot4(_hadamard(g, g), a0, a1, a2, a3, PREC)
+    with H_{D/4} and a 2-stage butterfly mixes the four (as `_rot_q4`, transposed). The rows' order is a
+    permutation of g's bits (`_word_rows`), which leaves H_{D/4} as it is: popcount(g & g') is that of
+    the permuted bits."""
+    y0, y1, y2, y3 = _hdot4(_sylvester(D // 4), a0, a1, a2, a3, PREC)
     y0, y1 = _bfly(y0, y1)
     y2, y3 = _bfly(y2, y3)
     y0, y2 = _bfly(y0, y2)
     y1, y3 = _bfly(y1, y3)
+    g = _word_rows(D // 4, VPERM)
     return (
         _unrotated(y0, vr_ptr, g, 0, 4), _unrotated(y1, vr_ptr, g, 1, 4),
         _unrotated(y2, vr_ptr, g, 2, 4), _unrotated(y3, vr_ptr, g, 3, 4),
@@ -572,8 +577,7 @@ def _unrotate4(a0, a1, a2, a3, vr_ptr, D: tl.constexpr, VPERM: tl.constexpr, PRE
 @triton.jit
 def _unrotate8(a0, a1, a2, a3, a4, a5, a6, a7, vr_ptr, D: tl.constexpr, VPERM: tl.constexpr, PREC: tl.constexpr):
     """`_unrotate4` for 8 coordinates per group (3-bit codes): H_D = H_{D/8} x H_8, a 3-stage butterfly."""
-    g = _word_rows(D // 8, VPERM)
-    h = _hadamard(g, g)
+    h = _sylvester(D // 8)
     y0, y1, y2, y3 = _hdot4(h, a0, a1, a2, a3, PREC)
     y4, y5, y6, y7 = _hdot4(h, a4, a5, a6, a7, PREC)
     y0, y1 = _bfly(y0, y1)
@@ -588,6 +592,7 @@ def _unrotate8(a0, a1, a2, a3, a4, a5, a6, a7, vr_ptr, D: tl.constexpr, VPERM: t
     y1, y5 = _bfly(y1, y5)
     y2, y6 = _bfly(y2, y6)
     y3, y7 = _bfly(y3, y7)
+    g = _word_rows(D // 8, VPERM)
     return (
         _unrotated(y0, vr_ptr, g, 0, 8), _unrotated(y1, vr_ptr, g, 1, 8),
         _unrotated(y2, vr_ptr, g, 2, 8), _unrotated(y3, vr_ptr, g, 3, 8),
