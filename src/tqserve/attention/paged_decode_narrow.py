@@ -150,9 +150,6 @@ PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exac
 #   tq_k4v4_ub 0.1027 / 0.0993.
 VROT = 1
 VROT_DECODE = 0
-# Load seq_len beside the query offsets and test it in the early return (0: load it after the return;
-# A/B knob).
-EARLY_SEQ_LEN = 1
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
 # (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
 # decoders take 2.5 and a byte -> 16-bit unpacking), in decode / wider steps (0: the word decoders of
@@ -427,7 +424,7 @@ def plan(
     key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
     key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
-    key += (unrotates_values(layout, head_dim, max_query_len), EARLY_SEQ_LEN)
+    key += (unrotates_values(layout, head_dim, max_query_len),)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -802,7 +799,7 @@ def _narrow_decode_kernel(
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
-    VROT: tl.constexpr, RPREC: tl.constexpr, EARLY_SEQ_LEN: tl.constexpr,
+    VROT: tl.constexpr, RPREC: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     NPART: tl.constexpr = 2 if HAS_EXACT else 1
@@ -817,20 +814,16 @@ def _narrow_decode_kernel(
     qlen = tl.load(qsl_ptr + req + 1) - q_start
     packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
     lo = packed_s * split_n
-    # beside the offsets: one round trip for both. The early return below tests it too (a request with
-    # query tokens has seq_len >= qlen > 0), else the compiler sinks the load past the return and the
-    # block-table loads of the first tiles wait for a second round trip.
-    seq_len = tl.load(seqlen_ptr + req)
     if PREFETCH > 0:
+        seq_len = tl.load(seqlen_ptr + req)  # beside the offsets: one round trip for both
         _prefetch_first_pages(
             bt_ptr + req * stride_bt, stride_bt, lo, seq_len, split_n, kvh, kp_ptr, vp_ptr, ks_ptr, vs_ptr, vz_ptr,
             HKV, BS, D * KEY_BITS // 8, D * VAL_BITS // 8, PREFETCH, VAL_MODE == 2,
         )  # fmt: skip
-    if EARLY_SEQ_LEN:
-        if (qlen == 0) | (seq_len == 0):  # a request without query tokens (graph padding)
-            return
-    elif qlen == 0:
+    if qlen == 0:  # a request without query tokens (graph padding)
         return
+    if PREFETCH == 0:
+        seq_len = tl.load(seqlen_ptr + req)
     hi = tl.minimum(seq_len, lo + split_n)  # the last query token (position seq_len - 1) sees every key
 
     # columns: (query token t, head h of the group), t-major; padded columns have zero queries. With
@@ -1146,7 +1139,7 @@ def launch(
         VPERM=value_rows(layout, meta.max_query_len),
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
-        VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3", EARLY_SEQ_LEN=bool(EARLY_SEQ_LEN),
+        VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
