@@ -1045,7 +1045,8 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
     vrot_in_kernel = use_narrow and narrow.unrotates_values(layout, d, meta.max_query_len)
     rotated = layout.rotated_values and not vrot_in_kernel
-    npart = 2 if exact_copies else 1  # exact values accumulate beside the sliced page accumulators
+    # exact values accumulate beside the sliced page accumulators, unless both are in the same space
+    npart = narrow.parts(layout, d, meta.max_query_len) if use_narrow else (2 if exact_copies else 1)
     if out is None:
         out = torch.empty_like(qx)
     direct = splits == 1 and npart == 1 and not rotated

@@ -320,6 +320,14 @@ def unrotates_values(layout, head_dim: int, max_query_len: int) -> bool:
     return bool(on) and layout.rotated_values and layout.val_rotation is not None and pow2 and head_dim // sv >= 16
 
 
+def parts(layout, head_dim: int, max_query_len: int) -> int:
+    """Parts of each output row the kernel writes: the exact values have one of their own (2) in exact-copy
+    layouts whose packed values the finishing kernel rotates back; otherwise every split accumulates in the
+    same space and the split-K combine merges the exact-pairs split like any other (1)."""
+    exact = bool(layout.sink or layout.window)
+    return 2 if exact and not unrotates_values(layout, head_dim, max_query_len) else 1
+
+
 def parks_query(layout, head_dim: int, max_query_len: int) -> bool:
     """Whether a kernel that rotates the query parks it (`_park_q4`)."""
     return bool(PARK) or park_decode(layout, head_dim, max_query_len)
@@ -706,11 +714,12 @@ def _exact_program(
     obase, lse_row, qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr,
     req, kvh, hq, h_ok, tok_c, qpos, q_start, ctx, seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale,
     HKV: tl.constexpr, D: tl.constexpr, N: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
-    BLOCK_X: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_X: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr,
 ):  # fmt: skip
     """Split 0 of a (request, KV head) of an exact-copy layout: the exact sink / window pairs, read from
     the fresh tensors, the ring and the sink buffer with the unrotated query, accumulated in the
-    output's second part (zeros in the first), with their log-sum-exp for the split-K combine."""
+    output's second part (zeros in the first; NPART = 1: the only part), with their log-sum-exp for the
+    split-K combine."""
     d = tl.arange(0, D)
     dot_t = kn_ptr.dtype.element_ty if not DOT_F32 else tl.float32
     qx = tl.load(qx_ptr + tok_c[None, :] * stride_qxt + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0)
@@ -741,8 +750,11 @@ def _exact_program(
         )  # fmt: skip
         accx = tl.dot(tl.trans(vx.to(dot_t)), p.to(dot_t), accx * alpha[None, :], input_precision=PREC)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    tl.store(obase + d[:, None], tl.zeros_like(accx).to(obase.dtype.element_ty), mask=h_ok[None, :])
-    tl.store(obase + D + d[:, None], (accx / l_safe[None, :]).to(obase.dtype.element_ty), mask=h_ok[None, :])
+    if NPART == 2:
+        tl.store(obase + d[:, None], tl.zeros_like(accx).to(obase.dtype.element_ty), mask=h_ok[None, :])
+    tl.store(
+        obase + (NPART - 1) * D + d[:, None], (accx / l_safe[None, :]).to(obase.dtype.element_ty), mask=h_ok[None, :]
+    )
     tl.store(lse_row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=h_ok)
 
 
@@ -772,10 +784,10 @@ def _mask_scores(
 
 
 @triton.jit
-def _finish_group(obase, lse_row, m_i, l_i, h_ok, D: tl.constexpr, HAS_EXACT: tl.constexpr, SPLIT: tl.constexpr):
-    """A column group's end: zeros in the exact part (split 0 holds the exact pairs), its log-sum-exp
-    for the split-K combine; returns the divisor of its accumulators."""
-    if HAS_EXACT:
+def _finish_group(obase, lse_row, m_i, l_i, h_ok, D: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr):
+    """A column group's end: zeros in the exact part (NPART = 2; split 0 holds the exact pairs), its
+    log-sum-exp for the split-K combine; returns the divisor of its accumulators."""
+    if NPART == 2:
         d = tl.arange(0, D)
         tl.store(obase + D + d[:, None], tl.zeros([D, h_ok.shape[0]], dtype=obase.dtype.element_ty), mask=h_ok[None, :])
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -802,7 +814,9 @@ def _narrow_decode_kernel(
     VROT: tl.constexpr, RPREC: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
-    NPART: tl.constexpr = 2 if HAS_EXACT else 1
+    # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
+    # the values' own space and the exact-pairs split is a split like the others
+    NPART: tl.constexpr = 2 if HAS_EXACT and not VROT else 1
     KRAW: tl.constexpr = KASM0 != ""
     # 3-bit min-max values as byte tiles (`v3_bytes`), 2-bit codebook values as byte words (`byte_values`)
     VRAW: tl.constexpr = 3 if V3_BYTES else 2 if VB8 else (VASM0 != "")
@@ -839,6 +853,7 @@ def _narrow_decode_kernel(
                 lse_ptr + pid_s * stride_ls + tokx * stride_lt + hqx, qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr,
                 sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, req, kvh, hqx, h_okx, tokx, qposx, q_start, seq_len - qlen,
                 seq_len, stride_qxt, stride_knt, stride_vnt, qk_scale, HKV, D, NX, SINK, WINDOW, BLOCK_X, DOT_F32, PREC,
+                NPART,
             )  # fmt: skip
             return
     pk_t = tl.float32 if DOT_F32 else tl.float16  # the interpreter and float32 models compute in float32
@@ -1044,9 +1059,7 @@ def _narrow_decode_kernel(
         else:
             a0, a1, a2, a3 = _unrotate4(a0, a1, a2, a3, vr_ptr, D, VPERM, RPREC)
     vs = vsum[None, :]
-    l_safe = _finish_group(
-        obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, HAS_EXACT, SPLIT
-    )
+    l_safe = _finish_group(obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, NPART, SPLIT)
     _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SV, D, VPERM)
     _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SV, D, VPERM)
     _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SV, D, VPERM)
@@ -1065,7 +1078,7 @@ def _narrow_decode_kernel(
                 b0, b1, b2, b3 = _unrotate4(b0, b1, b2, b3, vr_ptr, D, VPERM, RPREC)
         vs2 = vsum2[None, :]
         l_safe2 = _finish_group(
-            obase2, lse_ptr + pid_s * stride_ls + tok_c2 * stride_lt + hq2, m_i2, l_i2, h_ok2, D, HAS_EXACT, SPLIT
+            obase2, lse_ptr + pid_s * stride_ls + tok_c2 * stride_lt + hq2, m_i2, l_i2, h_ok2, D, NPART, SPLIT
         )  # fmt: skip
         _store_cols(obase2, b0 + vs2, l_safe2, h_ok2, 0, SV, D, VPERM)
         _store_cols(obase2, b1 + vs2, l_safe2, h_ok2, 1, SV, D, VPERM)
@@ -1116,7 +1129,7 @@ def launch(
     T, hq, d = q.shape
     hkv = kp.shape[1]
     qx, k_new, v_new, rk, rv, sk, sv = exact
-    npart = 2 if layout.sink or layout.window else 1
+    npart = parts(layout, d, meta.max_query_len)
     grid = (meta.num_reqs * hkv, splits)
     n_cols = cols(meta.max_query_len, hq // hkv)
     n_first, n_second = col_groups(meta.max_query_len, hq // hkv)

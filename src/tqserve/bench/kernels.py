@@ -4,7 +4,9 @@ Everything is measured side by side in one process on one card: a device-to-devi
 bandwidth ceiling, bytes read + written), `F.scaled_dot_product_attention` on contiguous bf16 KV,
 then the Triton kernels over bf16 / fp8 / TurboQuant pages filled with random (never zero) data.
 Times are medians of `triton.testing.do_bench` (CUDA events). Bytes are the fewest a kernel must
-move: every page byte of every key it attends to, read once.
+move: every page byte of every key it attends to, read once. Decode and verify are timed as one call
+alone, and as `DECODE_LAYERS` calls back to back (per call), the way a step's graph runs one
+attention call per layer; stores likewise (`STORE_LAYERS`).
 """
 
 from __future__ import annotations
@@ -141,13 +143,21 @@ class Case:
         self.pages = None
 
 
-def sdpa_decode_ms(n_req, ctx, qlen, hq, hkv, d, dev) -> tuple[float, float]:
-    """SDPA over contiguous bf16 K/V [B, Hkv, L, d] with GQA (no causal mask needed for qlen 1)."""
-    q = torch.randn(n_req, hq, qlen, d, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(n_req, hkv, ctx + qlen, d, device=dev, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    ms = _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-    nbytes = 2 * k.numel() * 2
+def sdpa_decode_ms(n_req, ctx, qlen, hq, hkv, d, dev, layers: int = 1) -> tuple[float, float]:
+    """SDPA over contiguous bf16 K/V [B, Hkv, L, d] with GQA (no causal mask needed for qlen 1). With
+    `layers` > 1, that many calls back to back, each on K/V of its own; ms per call."""
+    calls = []
+    for _ in range(layers):
+        q = torch.randn(n_req, hq, qlen, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(n_req, hkv, ctx + qlen, d, device=dev, dtype=torch.bfloat16)
+        calls.append((q, k, torch.randn_like(k)))
+
+    def run() -> None:
+        for q, k, v in calls:
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    ms = _bench(run) / layers
+    nbytes = 2 * calls[0][1].numel() * 2
     return ms, nbytes
 
 
@@ -263,6 +273,11 @@ def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=(), 
 
 
 STORE_LAYERS = 8  # the back-to-back store rows: layers per timed call
+# The back-to-back decode / verify rows: (requests, layers per timed call) at the long and the batch
+# context. A lone graph replay charges each call ~8 us of graph launch (H100, twenty-third session:
+# turboquant_4bit_nc 1 x 128K replay 79.3 us, kernels 67.6 + 3.7 us, gap 0.3); in a step's graph
+# the attention calls of all layers share one launch.
+DECODE_LAYERS = ((1, 8), (32, 4))
 
 
 def store_slots(t: int, bs: int, order: str, dev, generator=None) -> torch.Tensor:
@@ -428,6 +443,25 @@ def main(argv: list[str] | None = None) -> int:
         c.free()
         del c
         torch.cuda.empty_cache()
+    # ---- the same calls back to back, one per layer with K/V and pages of its own; ms per call
+    for n_req, layers in DECODE_LAYERS:
+        L = long_ctx if n_req == 1 else ctx
+        base, nbytes = sdpa_decode_ms(n_req, L, 1, hq, hkv, d, dev, layers)
+        record(f"sdpa decode {n_req}x{L}, {layers} layers", base, nbytes)
+        for p in presets:
+            one_ms = {}
+            for qlen in (1, 5) if n_req > 1 else (1,):
+                cases = [Case(p, n_req, L, qlen, hq, hkv, d, dev) for _ in range(layers)]
+                ms = _bench(lambda cases=cases: [c.run() for c in cases]) / layers
+                kind = f"decode {n_req}x{L}" if qlen == 1 else f"verify {n_req}x(1+{qlen - 1})x{L}"
+                one_ms[qlen] = record(f"paged {p} {kind}, {layers} layers", ms, cases[0].bytes, base)
+                if qlen > 1:
+                    rows[-1]["vs_decode"] = ms / one_ms[1]
+                    print(f"    verify / decode: {ms / one_ms[1]:.2f}x", flush=True)
+                for c in cases:
+                    c.free()
+                del cases
+                torch.cuda.empty_cache()
     # ---- extend: 2048-token chunk over a ctx prefix
     flash = sdpa_flash_tflops(dev)
     res["sdpa_flash_causal_TFLOPs"] = flash
