@@ -30,7 +30,7 @@ pytestmark = triton_kernels
 # 4-bit codebook values, 2-bit keys.
 SLICED = ["turboquant_4bit_nc", "tq3", "tq3s", "tq_k4v4_nc", "tq_k2v4_nc"]
 NARROW = ["turboquant_4bit_nc", "tq_k4v4_nc", "tq_k2v4_nc", "tq_k4v4_ub", "tq_k4v2_nc"]  # no exact copies
-NARROW_EXACT = ["tq3", "tq3s"]  # sink + window copies (their exact pairs: a split of their own)
+NARROW_EXACT = ["tq3", "tq3s"]  # sink + window copies (their exact pairs: split 0)
 NARROW3 = ["turboquant_3bit_nc", "tq_k3v2_ub", "turboquant_k3v4_nc"]  # 3-bit codes: 8-code groups, narrow only
 
 
@@ -191,13 +191,6 @@ def test_narrow_splits_fill_one_wave():
     assert narrow.pick_splits(4096, 32768, 32, 16, 132) == 1  # more pairs than slots
     # exact-copy layouts: the exact-pairs program's part on top stays within the warmed combine
     assert narrow.pick_splits(3, 1 << 20, 64, 16, 132, exact=True) == narrow.MAX_SPLITS - 1
-    # ... and room beside the packed programs for the exact-pairs ones (`EXACT_ROUNDS`): 1 x 128K at 12
-    # per SM, 8 pairs: 198 packed splits fill all 1,584 slots, so 197; 32 x 32K: 6 x 256 leave 48 slots
-    # for 256 programs (6 rounds), kept; verify at 8 per SM: 4 x 256 leave 32 (8 rounds), kept
-    assert narrow.pick_splits(8, 131072, 64, 12, 132, exact=True) == 197
-    assert narrow.pick_splits(8, 131072, 64, 12, 132) == 198
-    assert narrow.pick_splits(256, 32768, 64, 12, 132, exact=True) == 6
-    assert narrow.pick_splits(256, 32768, 32, 8, 132, exact=True) == 4
     lay = _layout("tq3", 3, 64)
     assert narrow.plan(lay, 64, 3, 1, 3, 1 << 20, 132, DEV)[3] + 1 <= narrow.MAX_SPLITS
 
@@ -417,24 +410,6 @@ def test_narrow_unrotates_values_in_kernel(preset, d, dtype, narrow_spy, monkeyp
             assert not outs[0].isnan().any()
             err = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
             assert err < tol, (splits, err)
-    assert len(narrow_spy) == 12
-
-
-@pytest.mark.parametrize("vrot", [1, 0])
-def test_narrow_exact_split_last_equals_first(vrot, narrow_spy, monkeypatch):
-    """The exact-pairs program as the last split (`EXACT_LAST`) or the first: the same outputs to the
-    rounding of the split-K combine's sum (the same terms in another order), decode and verify, with one
-    output part (VROT) or two."""
-    monkeypatch.setattr(narrow, "VROT", vrot)
-    for run in _steps("tq3", 128, seed=23):
-        for splits in (None, 2, 4):
-            outs = []
-            for last in (1, 0):
-                monkeypatch.setattr(narrow, "EXACT_LAST", last)
-                outs.append(run(num_splits=splits))
-            assert not outs[0].isnan().any()
-            a, b = outs[0].float(), outs[1].float()
-            assert float((a - b).abs().max() / b.abs().max()) < 8e-3  # bf16 outputs: a last-bit flip at most
     assert len(narrow_spy) == 12
 
 

@@ -27,7 +27,7 @@ Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_CO
 values). 3-bit codes come in groups of 8 (3 bytes of the bit stream, `paged_decode._groups3`), so
 their dots take 8 slices of d / 8 coordinates instead of 4 of d / 4 (SK / SV).
 Layouts with exact sink / window copies (tq3) come here too: the packed loop masks the pairs the
-exact rule claims, and one split of every (request, KV head), the last, is a program of its own that reads those
+exact rule claims, and split 0 of every (request, KV head) is a program of its own that reads those
 keys and values from the fresh tensors, the ring and the sink buffer (unrotated query, exact values
 accumulated in the output's second part), so the packed programs carry none of its registers (an
 exact pass after each split's packed loop held the kernel at 255 registers). The output contract
@@ -221,12 +221,6 @@ WAVE_FILL = 1.0
 # tiles, 2,056 programs; H100, eleventh session: 91.1 us against 95.5 us at the old cap of 256, which
 # rounded to 228 splits, 1,824 programs)
 MAX_SPLITS = NARROW_MAX_SPLITS
-# Exact-copy layouts: the exact-pairs program (one per request and KV head, a few short tiles) is the
-# last split, so the block scheduler starts every packed program first and the exact ones take the
-# slots left over (EXACT_LAST; 0: the first split, whose programs then held slots the packed programs
-# of the wave waited for). `pick_splits` leaves them room for at most EXACT_ROUNDS rounds (0: none).
-EXACT_LAST = 1
-EXACT_ROUNDS = 8
 GUESS_PER_SM = {32: 16, 64: 8, 128: 4}
 _RESIDENT: dict[tuple, int] = {}  # launch key -> resident programs per SM of its compiled kernel
 
@@ -408,15 +402,10 @@ def _record_occupancy(key: tuple, kernel, warps: int, device) -> None:
 def pick_splits(pairs: int, max_seq_len: int, block_n: int, per_sm: int, sms: int, exact: bool = False) -> int:
     """Split-K count of the packed keys that fills one wave of resident programs (at least 4 key tiles
     per split); with `exact`, one part less than MAX_SPLITS, so that the exact-pairs program's part
-    keeps the combine within the split counts `warm_split_combine` compiled, and one split less where
-    the slots the packed programs leave would take the (short) exact-pairs programs in more than
-    EXACT_ROUNDS rounds: those run after the packed ones (`EXACT_LAST`) and would add to the step."""
+    keeps the combine within the split counts `warm_split_combine` compiled."""
     slots = int(per_sm * sms * WAVE_FILL)
     tiles = triton.cdiv(max(1, max_seq_len), block_n)
-    s = max(1, min(slots // max(1, pairs), tiles // 4, MAX_SPLITS - int(exact)))
-    if exact and EXACT_ROUNDS and s > 1 and (slots - pairs * s) * EXACT_ROUNDS < pairs:
-        s -= 1
-    return s
+    return max(1, min(slots // max(1, pairs), tiles // 4, MAX_SPLITS - int(exact)))
 
 
 def plan(
@@ -443,7 +432,7 @@ def plan(
     key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
     key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
-    key += (unrotates_values(layout, head_dim, max_query_len), EXACT_LAST)
+    key += (unrotates_values(layout, head_dim, max_query_len),)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -727,10 +716,10 @@ def _exact_program(
     HKV: tl.constexpr, D: tl.constexpr, N: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
     BLOCK_X: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, NPART: tl.constexpr,
 ):  # fmt: skip
-    """The exact-pairs split of a (request, KV head) of an exact-copy layout: the exact sink / window
-    pairs, read from the fresh tensors, the ring and the sink buffer with the unrotated query,
-    accumulated in the output's second part (zeros in the first; NPART = 1: the only part), with their
-    log-sum-exp for the split-K combine."""
+    """Split 0 of a (request, KV head) of an exact-copy layout: the exact sink / window pairs, read from
+    the fresh tensors, the ring and the sink buffer with the unrotated query, accumulated in the
+    output's second part (zeros in the first; NPART = 1: the only part), with their log-sum-exp for the
+    split-K combine."""
     d = tl.arange(0, D)
     dot_t = kn_ptr.dtype.element_ty if not DOT_F32 else tl.float32
     qx = tl.load(qx_ptr + tok_c[None, :] * stride_qxt + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0)
@@ -796,7 +785,7 @@ def _mask_scores(
 
 @triton.jit
 def _finish_group(obase, lse_row, m_i, l_i, h_ok, D: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr):
-    """A column group's end: zeros in the exact part (NPART = 2; the exact-pairs split fills it), its
+    """A column group's end: zeros in the exact part (NPART = 2; split 0 holds the exact pairs), its
     log-sum-exp for the split-K combine; returns the divisor of its accumulators."""
     if NPART == 2:
         d = tl.arange(0, D)
@@ -822,7 +811,7 @@ def _narrow_decode_kernel(
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
-    VROT: tl.constexpr, RPREC: tl.constexpr, EXACT_LAST: tl.constexpr,
+    VROT: tl.constexpr, RPREC: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -837,9 +826,7 @@ def _narrow_decode_kernel(
     kvh = pid_rh % HKV
     q_start = tl.load(qsl_ptr + req)
     qlen = tl.load(qsl_ptr + req + 1) - q_start
-    # exact-copy layouts: one split reads the exact pairs, the last (EXACT_LAST) or the first
-    x_s = tl.num_programs(1) - 1 if EXACT_LAST else 0
-    packed_s = pid_s - 1 if HAS_EXACT and not EXACT_LAST else pid_s
+    packed_s = pid_s - 1 if HAS_EXACT else pid_s  # exact-copy layouts: split 0 reads the exact pairs
     lo = packed_s * split_n
     if PREFETCH > 0:
         seq_len = tl.load(seqlen_ptr + req)  # beside the offsets: one round trip for both
@@ -859,7 +846,7 @@ def _narrow_decode_kernel(
     tok = tok_c[None, :] * stride_qt
     obase = out_ptr + pid_s * stride_os + tok_c[None, :] * stride_ot + hq[None, :] * (NPART * D)
     if HAS_EXACT:
-        if pid_s == x_s:  # the exact pairs: a program of their own, apart from the packed loop's registers
+        if pid_s == 0:  # the exact pairs: a program of their own, apart from the packed loop's registers
             h_okx, hqx, tokx, qposx = _columns(tl.arange(0, NX), G, BLOCK_Q, qlen, kvh, q_start, seq_len)
             _exact_program(
                 out_ptr + pid_s * stride_os + tokx[None, :] * stride_ot + hqx[None, :] * (NPART * D),
@@ -1136,7 +1123,7 @@ def launch(
     """Launch over (request x KV head, split) with `paged_decode.decode_attention`'s prepared buffers;
     the first launch of a configuration records its occupancy for `plan`. `exact`: (unrotated q, this
     step's k / v, ring k / v, sink k / v) for layouts with exact copies (the launcher's placeholders
-    otherwise). `splits` counts the exact-pairs program (`EXACT_LAST`) of exact-copy layouts. `rot`: the key
+    otherwise). `splits` counts the exact-pairs program (split 0) of exact-copy layouts. `rot`: the key
     rotation R when q is the unrotated query and the kernel rotates it (`rotates_query`). `vrot`: the value
     rotation when the kernel writes its accumulators out of the rotated space (`unrotates_values`)."""
     T, hq, d = q.shape
@@ -1165,7 +1152,7 @@ def launch(
         VPERM=value_rows(layout, meta.max_query_len),
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
-        VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3", EXACT_LAST=bool(EXACT_LAST),
+        VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
