@@ -168,7 +168,7 @@ def warm_split_combine(layout, hq: int, d: int, model_dtype: torch.dtype, device
         combos.add((1, torch.float32))
     if layout.sink or layout.window:
         combos.add((2, torch.float32))  # the exact-value part beside the page part
-        tails |= {(2, rotated), (2, False)}
+        tails.add((2, rotated))  # (the narrow kernel's verify steps rotate back themselves: one part)
     for npart, red_dtype in sorted(combos, key=str):
         w = npart * d
         red = torch.empty((1, hq, w), device=device, dtype=red_dtype)
