@@ -389,11 +389,12 @@ def test_narrow_unrotates_values_in_kernel(preset, d, dtype, narrow_spy, monkeyp
     over the slices, butterflies, signs) against `finish._finish_kernel`'s rotation back after the
     combine: the same outputs to rounding, decode and verify, one split (the kernel writes the output)
     and several, 4 and 8 coordinates per slice (3-bit values: tq_k3v3_ub); min-max values
-    (turboquant_k3v4_nc) and two Hadamard blocks (d = 96) are not taken."""
+    (turboquant_k3v4_nc), two Hadamard blocks (d = 96) and d = 256 (`VROT_MAX_D`) are not taken."""
     lay = _layout(preset, d=d)
     assert narrow.unrotates_values(lay, d, 5) == lay.rotated_values
     assert not narrow.unrotates_values(lay, d, 1)  # decode steps: `VROT_DECODE`
     assert not narrow.unrotates_values(_layout("tq3", d=96), 96, 5)
+    assert not narrow.unrotates_values(_layout("tq3", d=256), 256, 5)  # `VROT_MAX_D`
     assert not narrow.unrotates_values(_layout("tq_k3v3_ub", d=64), 64, 5)  # 8 coordinates per slice
     monkeypatch.setattr(narrow, "VROT", 0)
     assert not narrow.unrotates_values(lay, d, 5)

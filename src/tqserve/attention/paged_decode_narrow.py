@@ -150,6 +150,9 @@ PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exac
 #   tq_k4v4_ub 0.1027 / 0.0993.
 VROT = 1
 VROT_DECODE = 0
+# At d = 256 the epilogue's [64, 64] Hadamard dots cost ~9,000 sm_90 instructions per program (tq3 verify
+# 12,080 -> 20,936, offline), against ~1,000 at d = 128; not timed, so larger heads keep the finish launch.
+VROT_MAX_D = 128
 # 2-bit codebook values loaded as byte words and decoded four per register by byte permutes
 # (`paged_decode.prmt_slices_b8`: 1.5 integer instructions per code where the two-words-per-register
 # decoders take 2.5 and a byte -> 16-bit unpacking), in decode / wider steps (0: the word decoders of
@@ -312,11 +315,11 @@ def _tuned_prefetch(layout, head_dim: int, max_query_len: int) -> bool:
 
 def unrotates_values(layout, head_dim: int, max_query_len: int) -> bool:
     """Whether the kernel takes codebook values out of the rotated space itself (`VROT` for verify steps,
-    `VROT_DECODE` for decode steps): a power-of-two head size (R = H diag(s) / sqrt(d), one Hadamard
-    block) with at least 16 coordinates per slice."""
+    `VROT_DECODE` for decode steps): a power-of-two head size up to VROT_MAX_D (R = H diag(s) / sqrt(d),
+    one Hadamard block) with at least 16 coordinates per slice."""
     on = VROT if max_query_len > 1 else VROT_DECODE
     sv = paged_decode.slices(layout.val_bits)
-    pow2 = head_dim & (head_dim - 1) == 0
+    pow2 = head_dim & (head_dim - 1) == 0 and head_dim <= VROT_MAX_D
     return bool(on) and layout.rotated_values and layout.val_rotation is not None and pow2 and head_dim // sv >= 16
 
 
