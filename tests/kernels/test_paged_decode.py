@@ -385,10 +385,10 @@ def test_narrow_parked_query_equals_held(preset, dtype, narrow_spy, monkeypatch)
      ("tq_k4v2_nc", 128, torch.float32), ("turboquant_k3v4_nc", 128, torch.bfloat16)],
 )  # fmt: skip
 def test_narrow_unrotates_values_in_kernel(preset, d, dtype, narrow_spy, monkeypatch):
-    """Codebook values taken out of the rotated space in each program's epilogue (`VROT`, `VROT_DECODE`: Hadamard dots
-    over the slices, butterflies, signs) against `finish._finish_kernel`'s rotation back after the
-    combine: the same outputs to rounding, decode and verify, one split (the kernel writes the output)
-    and several, 4 and 8 coordinates per slice (3-bit values: tq_k3v3_ub); min-max values
+    """Codebook values taken out of the rotated space in each program's epilogue (`VROT`, `VROT_DECODE`:
+    Hadamard dots over the slices, butterflies, signs) against `finish._finish_kernel`'s rotation back
+    after the combine: the same outputs to rounding, decode and verify, one split (the kernel writes
+    the output) and several, 4 and 8 coordinates per slice (3-bit values: tq_k3v3_ub); min-max values
     (turboquant_k3v4_nc), two Hadamard blocks (d = 96) and d = 256 (`VROT_MAX_D`) are not taken."""
     lay = _layout(preset, d=d)
     assert narrow.unrotates_values(lay, d, 5) == lay.rotated_values
