@@ -54,6 +54,9 @@ SCALE_MODES = {"plain": 0, "nc": 1, "unbiased": 2}
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
 WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+# TurboQuant sides of 2- or 4-bit codes in one Hadamard block: the rotation's output columns permuted so
+# that each thread packs whole half groups of 4 codes in registers (`_half_cols`, `_pack_tile` GS = -1)
+HALF_GROUPS = 1
 # `reference.fixed_point`'s constants
 _FIX_BIAS = tl.constexpr(FIX_BIAS)
 _FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
@@ -124,6 +127,20 @@ def _group_bits(gk, K: tl.constexpr, WD: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _half_cols(k, GS: tl.constexpr):
+    """The coordinate each column of a 32-column tile holds: k itself, or with GS = -1 (`HALF_GROUPS`)
+    column k = 16 w + 8 t + 2 c + e holds coordinate 4 (4 t + c) + 2 w + e. In the tensor cores'
+    accumulator layout of the [16, 32] tile over two warps (sm_90, Triton 3.6: warp t takes the n8
+    tiles 8 t and 16 + 8 t) a thread holds columns 16 w + 8 t + 2 c + e (lane % 4 = c) of its rows,
+    so the 4 coordinates of a half group are one thread's, and `_pack_tile` packs them without the
+    cross-lane sums that gather 8 consecutive columns from 4 lanes."""
+    if GS < 0:
+        return ((k // 8) % 2) * 16 + ((k // 2) % 4) * 4 + (k // 16) * 2 + k % 2
+    else:
+        return k
+
+
+@triton.jit
 def _pack_tile(
     pay_ptr,
     tokp,
@@ -142,8 +159,18 @@ def _pack_tile(
     GS = 0: 8 indices make one b-byte word, one store (b in 1, 2, 4; pay_ptr an int8 / int16 /
     int32 view of the page). GS = 8, 16, 32: GS indices make b words of GS bits (pay_ptr viewed
     as int8 / int16 / int32); word w is the sum of the indices overlapping stream bits
-    [GS*w, GS*w + GS), each shifted into place (shift amounts are compile-time per column)."""
-    if GS == 0:
+    [GS*w, GS*w + GS), each shifted into place (shift amounts are compile-time per column).
+    GS = -1 (`HALF_GROUPS`): the tile's columns are in `_half_cols` order, so the 4 indices of each
+    half group (coordinates 4 h .. 4 h + 3) are columns (t, e) of one (w, c); they are packed where
+    they are, in registers, into one 4b-bit word each (b in 2, 4; pay_ptr an int8 / int16 view)."""
+    if GS < 0:
+        i5 = tl.permute(tl.reshape(idx, (BT, 2, 2, 4, 2)), (0, 2, 3, 1, 4))  # [.., t, c, w, e]
+        i3 = tl.reshape(i5, (BT, W // 4, 4))
+        w = tl.sum(i3 << (tl.arange(0, 4) * BITS)[None, None, :], 2)
+        g = col0 // 4 + tl.arange(0, W // 4)
+        m = tok_ok[:, None] & (g[None, :] < D // 4)
+        tl.store(pay_ptr + tokp[:, None] * (D // 4) + g[None, :], w.to(pay_ptr.dtype.element_ty), mask=m)
+    elif GS == 0:
         G: tl.constexpr = W // 8
         g = col0 // 8 + tl.arange(0, G)
         i3 = tl.reshape(idx, (BT, G, 8))
@@ -467,7 +494,8 @@ def _tq_side(
         amax = tl.maximum(amax, _absmax(xt3))
     p, rp = _fixed_scale(amax)
     hr = tl.arange(0, W)
-    hw = tl.load(had_ptr + hr[:, None] * W + hr[None, :])  # H_W of every full-width tile
+    # H_W of every full-width tile (columns in `_half_cols` order: the output coordinates follow)
+    hw = tl.load(had_ptr + hr[:, None] * W + _half_cols(hr, GS)[None, :])
     xf, xi = _fixed_point(x0, p)
     sq = xi * xi
     z0 = _rot_tile(xf, had_ptr, hw, 0, W, W, NSPLIT)
@@ -878,9 +906,13 @@ class StorePlan:
         self.group = [self._group(mode, bits) for mode, bits, *_ in self.sides]
 
     def _group(self, mode: int, bits: int) -> int | None:
-        """`_pack_tile`'s GS for one side (None: not packed)."""
+        """`_pack_tile`'s GS for one side (None: not packed; -1: half groups, `HALF_GROUPS`)."""
         if mode not in (TQ, MINMAX, TQ_DENSE):
             return None
+        if HALF_GROUPS and mode == TQ and bits in (2, 4) and self.tiles is not None:
+            w, _, _, rest = self.tiles
+            if not rest and w == 32:  # one Hadamard block, every tile in `_half_cols` order
+                return -1
         if bits in WORD_DTYPES:
             return 0
         d = self.head_dim
@@ -911,7 +943,7 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
     tuned = plan.tiles is not None and not plan.search and plan.head_dim <= 128
     if tuned:  # (a tile plan means at least one TurboQuant side)
-        if any(g not in (None, 0) for g in plan.group):
+        if any(g not in (None, 0, -1) for g in plan.group):
             return (8, 1, 128) if len(tq) == 2 else (8, 1, 96)
         return (16, 2, None) if len(tq) == 2 else (16, 2, 80)
     if len(tq) == 2 and not plan.search:
@@ -948,7 +980,7 @@ def store_kv(
     for (_mode, bits, pay, sc, zr, table), gs in zip(plan.sides, plan.group):
         p = pages[pay]
         if gs is not None:
-            p = p.view(WORD_DTYPES[bits if gs == 0 else gs // 8])
+            p = p.view(WORD_DTYPES[bits // 2 if gs < 0 else bits if gs == 0 else gs // 8])
         args += [p, pages[sc] if sc else p, pages[zr] if zr else p, table[0] if table else p]
         cells.append(table[1:] if table else (1, 0, 1.0))
     if plan.tiles is not None:
