@@ -133,9 +133,13 @@ def _half_cols(k, GS: tl.constexpr):
     accumulator layout of the [16, 32] tile over two warps (sm_90, Triton 3.6: warp t takes the n8
     tiles 8 t and 16 + 8 t) a thread holds columns 16 w + 8 t + 2 c + e (lane % 4 = c) of its rows,
     so the 4 coordinates of a half group are one thread's, and `_pack_tile` packs them without the
-    cross-lane sums that gather 8 consecutive columns from 4 lanes."""
-    if GS < 0:
+    cross-lane sums that gather 8 consecutive columns from 4 lanes. GS = -8: over one warp (the launch
+    of 3-bit sides) a thread holds columns 8 n + 2 c + e of its row, and column 8 n + 2 c + e holds
+    coordinate 8 c + 2 n + e: a whole group of 8 codes (3 bytes of the stream) per thread."""
+    if GS == -1:
         return ((k // 8) % 2) * 16 + ((k // 2) % 4) * 4 + (k // 16) * 2 + k % 2
+    elif GS == -8:
+        return ((k // 2) % 4) * 8 + (k // 8) * 2 + k % 2
     else:
         return k
 
@@ -163,7 +167,15 @@ def _pack_tile(
     GS = -1 (`HALF_GROUPS`): the tile's columns are in `_half_cols` order, so the 4 indices of each
     half group (coordinates 4 h .. 4 h + 3) are columns (t, e) of one (w, c); they are packed where
     they are, in registers, into one 4b-bit word each (b in 2, 4; pay_ptr an int8 / int16 view)."""
-    if GS < 0:
+    if GS == -8:
+        i4 = tl.permute(tl.reshape(idx, (BT, W // 8, 4, 2)), (0, 2, 1, 3))  # [.., c, n, e]
+        gv = tl.sum(tl.reshape(i4, (BT, W // 8, 8)) << (tl.arange(0, 8) * BITS)[None, None, :], 2)
+        g = col0 // 8 + tl.arange(0, W // 8)
+        m = tok_ok[:, None] & (g[None, :] < D // 8)
+        base = pay_ptr + tokp[:, None] * (D * BITS // 8) + g[None, :] * BITS
+        for b in tl.static_range(BITS):
+            tl.store(base + b, ((gv >> (8 * b)) & 0xFF).to(pay_ptr.dtype.element_ty), mask=m)
+    elif GS < 0:
         i5 = tl.permute(tl.reshape(idx, (BT, 2, 2, 4, 2)), (0, 2, 3, 1, 4))  # [.., t, c, w, e]
         i3 = tl.reshape(i5, (BT, W // 4, 4))
         w = tl.sum(i3 << (tl.arange(0, 4) * BITS)[None, None, :], 2)
@@ -913,6 +925,10 @@ class StorePlan:
             w, _, _, rest = self.tiles
             if not rest and w == 32:  # one Hadamard block, every tile in `_half_cols` order
                 return -1
+        if HALF_GROUPS and mode == TQ and bits == 3 and self.tiles is not None:
+            w, _, _, rest = self.tiles
+            if not rest and w == 32:  # whole groups of 8 codes per thread (one-warp launch)
+                return -8
         if bits in WORD_DTYPES:
             return 0
         d = self.head_dim
@@ -980,7 +996,7 @@ def store_kv(
     for (_mode, bits, pay, sc, zr, table), gs in zip(plan.sides, plan.group):
         p = pages[pay]
         if gs is not None:
-            p = p.view(WORD_DTYPES[bits // 2 if gs < 0 else bits if gs == 0 else gs // 8])
+            p = p.view(WORD_DTYPES[1 if gs == -8 else bits // 2 if gs < 0 else bits if gs == 0 else gs // 8])
         args += [p, pages[sc] if sc else p, pages[zr] if zr else p, table[0] if table else p]
         cells.append(table[1:] if table else (1, 0, 1.0))
     if plan.tiles is not None:
