@@ -476,6 +476,28 @@ def _bfly(a, b):
 
 
 @triton.jit
+def _h4(y0, y1, y2, y3):
+    """H_4 across four slices (slice j = 2 a + b): the b butterfly, then the a one."""
+    y0, y1 = _bfly(y0, y1)
+    y2, y3 = _bfly(y2, y3)
+    y0, y2 = _bfly(y0, y2)
+    y1, y3 = _bfly(y1, y3)
+    return y0, y1, y2, y3
+
+
+@triton.jit
+def _h8(y0, y1, y2, y3, y4, y5, y6, y7):
+    """H_8 across eight slices (slice j = 4 a + 2 b + c): H_4 on each half, then the a butterfly."""
+    y0, y1, y2, y3 = _h4(y0, y1, y2, y3)
+    y4, y5, y6, y7 = _h4(y4, y5, y6, y7)
+    y0, y4 = _bfly(y0, y4)
+    y1, y5 = _bfly(y1, y5)
+    y2, y6 = _bfly(y2, y6)
+    y3, y7 = _bfly(y3, y7)
+    return y0, y1, y2, y3, y4, y5, y6, y7
+
+
+@triton.jit
 def _hdot4(h, x0, x1, x2, x3, PREC: tl.constexpr):
     """H x for four slices."""
     y0 = tl.dot(h, x0, input_precision=PREC)
@@ -498,10 +520,7 @@ def _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
     x0, x2 = tl.split(xb0)
     x1, x3 = tl.split(xb1)
     y0, y1, y2, y3 = _hdot4(_sylvester(D // 4), x0, x1, x2, x3, PREC)
-    y0, y1 = _bfly(y0, y1)
-    y2, y3 = _bfly(y2, y3)
-    y0, y2 = _bfly(y0, y2)
-    y1, y3 = _bfly(y1, y3)
+    y0, y1, y2, y3 = _h4(y0, y1, y2, y3)
     return (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T)
 
 
@@ -542,18 +561,7 @@ def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
     h = _sylvester(D // 8)
     y0, y1, y2, y3 = _hdot4(h, x0, x1, x2, x3, PREC)
     y4, y5, y6, y7 = _hdot4(h, x4, x5, x6, x7, PREC)
-    y0, y1 = _bfly(y0, y1)
-    y2, y3 = _bfly(y2, y3)
-    y4, y5 = _bfly(y4, y5)
-    y6, y7 = _bfly(y6, y7)
-    y0, y2 = _bfly(y0, y2)
-    y1, y3 = _bfly(y1, y3)
-    y4, y6 = _bfly(y4, y6)
-    y5, y7 = _bfly(y5, y7)
-    y0, y4 = _bfly(y0, y4)
-    y1, y5 = _bfly(y1, y5)
-    y2, y6 = _bfly(y2, y6)
-    y3, y7 = _bfly(y3, y7)
+    y0, y1, y2, y3, y4, y5, y6, y7 = _h8(y0, y1, y2, y3, y4, y5, y6, y7)
     return (
         (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T),
         (y4 * scale).to(OUT_T), (y5 * scale).to(OUT_T), (y6 * scale).to(OUT_T), (y7 * scale).to(OUT_T),
@@ -574,10 +582,7 @@ def _unrotate4(a0, a1, a2, a3, vr_ptr, D: tl.constexpr, VPERM: tl.constexpr, PRE
     permutation of g's bits (`_word_rows`), which leaves H_{D/4} as it is: popcount(g & g') is that of
     the permuted bits."""
     y0, y1, y2, y3 = _hdot4(_sylvester(D // 4), a0, a1, a2, a3, PREC)
-    y0, y1 = _bfly(y0, y1)
-    y2, y3 = _bfly(y2, y3)
-    y0, y2 = _bfly(y0, y2)
-    y1, y3 = _bfly(y1, y3)
+    y0, y1, y2, y3 = _h4(y0, y1, y2, y3)
     g = _word_rows(D // 4, VPERM)
     return (
         _unrotated(y0, vr_ptr, g, 0, 4), _unrotated(y1, vr_ptr, g, 1, 4),
@@ -591,18 +596,7 @@ def _unrotate8(a0, a1, a2, a3, a4, a5, a6, a7, vr_ptr, D: tl.constexpr, VPERM: t
     h = _sylvester(D // 8)
     y0, y1, y2, y3 = _hdot4(h, a0, a1, a2, a3, PREC)
     y4, y5, y6, y7 = _hdot4(h, a4, a5, a6, a7, PREC)
-    y0, y1 = _bfly(y0, y1)
-    y2, y3 = _bfly(y2, y3)
-    y4, y5 = _bfly(y4, y5)
-    y6, y7 = _bfly(y6, y7)
-    y0, y2 = _bfly(y0, y2)
-    y1, y3 = _bfly(y1, y3)
-    y4, y6 = _bfly(y4, y6)
-    y5, y7 = _bfly(y5, y7)
-    y0, y4 = _bfly(y0, y4)
-    y1, y5 = _bfly(y1, y5)
-    y2, y6 = _bfly(y2, y6)
-    y3, y7 = _bfly(y3, y7)
+    y0, y1, y2, y3, y4, y5, y6, y7 = _h8(y0, y1, y2, y3, y4, y5, y6, y7)
     g = _word_rows(D // 8, VPERM)
     return (
         _unrotated(y0, vr_ptr, g, 0, 8), _unrotated(y1, vr_ptr, g, 1, 8),
