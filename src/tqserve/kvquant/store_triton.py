@@ -57,6 +57,8 @@ WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 # TurboQuant sides of 2- or 4-bit codes in one Hadamard block: the rotation's output columns permuted so
 # that each thread packs whole half groups of 4 codes in registers (`_half_cols`, `_pack_tile` GS = -1)
 HALF_GROUPS = 1
+# Scaled centroids by a warp shuffle from a lane table (`lane_lookup_ptx`) instead of a second load
+LANE_LUT = 1
 # `reference.fixed_point`'s constants
 _FIX_BIAS = tl.constexpr(FIX_BIAS)
 _FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
@@ -224,7 +226,9 @@ def _pack_tile(
 
 
 @triton.jit
-def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALED: tl.constexpr = 0):
+def _tq_lookup(
+    y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALED: tl.constexpr = 0, LUT: tl.constexpr = ""
+):
     """(#{boundaries < y}, its centroid) per element of rotated coordinates y, by one table lookup.
 
     a * b is y * CS (cells per unit of y) to within a few float ulps (z * (f * CS) will do): its
@@ -244,9 +248,37 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALE
     wide multiply-add, then the centroid's 4 bytes), an elementwise op in whatever layout y has: a
     `tl.load` gather made Triton move 64-bit pointer tensors from the MMA layout to a blocked one
     through shared memory and the results back. The interpreter, which runs no PTX, takes the same
-    steps in Triton."""
+    steps in Triton.
+
+    LUT (GPU, the scaled centroids only): `lane_table_ptx`'s lane table, from which the centroid is
+    taken by a warp shuffle instead of the second load."""
     b = tl.zeros_like(y) + b  # a column or a scalar: the asm takes whole tiles
-    if _ASM:
+    if _ASM and LUT != "":
+        z32 = tl.zeros(y.shape, dtype=tl.int32)
+        # the lane's table entry: one pure op of constant operands in every element and call (computed once)
+        tb = tl.inline_asm_elementwise(LUT, "=r,r", [z32], dtype=tl.int32, is_pure=True, pack=1)
+        idx, cv = tl.inline_asm_elementwise(
+            """{
+            .reg .f32 t, pb;
+            .reg .b32 c, m, bs;
+            .reg .b64 ad;
+            fma.rn.f32 t, $3, $4, 0f4B400000;
+            mov.b32 c, t;
+            sub.s32 c, c, $5;
+            min.u32 c, c, $6;
+            mad.wide.u32 ad, c, 8, $7;
+            ld.global.nc.v2.b32 {pb, bs}, [ad];
+            set.gt.u32.f32 m, $2, pb;
+            sub.s32 $0, bs, m;
+            shfl.sync.idx.b32 $1, $8, $0, 0x1f, 0xffffffff;
+            }""",
+            "=r,=r,r,r,r,r,r,l,r",
+            [y, a, b, z32 + (0x4B400000 - HALFC), z32 + (NCELL - 1), z32.to(tl.int64) + tab_ptr.to(tl.int64), tb],
+            dtype=(tl.int32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    elif _ASM:
         z32 = tl.zeros(y.shape, dtype=tl.int32)
         idx, cv = tl.inline_asm_elementwise(
             """{
@@ -292,13 +324,13 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALE
 def _tq_tile_out(
     z, f, fc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
-    D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
+    D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, LUT: tl.constexpr,
 ):  # fmt: skip
     """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (z: the exact integer
     Hadamard sums, float32; f, fc = f * CS: [BT, 1] columns); return the elements' int32 terms of the
     scale's sum (`_tq_scale_terms`)."""
     y = z * f
-    idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS)
+    idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LUT)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     return _tq_scale_terms(y, cq, SCALE_MODE)
 
@@ -465,7 +497,7 @@ def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: 
 def _tq_side(
     x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr,
-    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
     NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
@@ -623,25 +655,25 @@ def _tq_side(
                                         BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3), 1)  # fmt: skip
     else:
         part = _tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
-                            BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+                            BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT)  # fmt: skip
         if G0 > 1:
             part += _tq_tile_out(zb, f0, f0 * CS, W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT)  # fmt: skip
         if G0 > 2:
             part += _tq_tile_out(zc, f0, f0 * CS, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT)  # fmt: skip
             part += _tq_tile_out(zd, f0, f0 * CS, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT)  # fmt: skip
         acc = tl.sum(part, 1)
         if NT > G0:
             acc += tl.sum(_tq_tile_out(t1, f1, f1 * CS, O1, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1, LUT), 1)  # fmt: skip
         if NT > G0 + 1:
             acc += tl.sum(_tq_tile_out(t2, f2, f2 * CS, O2, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2, LUT), 1)  # fmt: skip
         if NT > G0 + 2:
             acc += tl.sum(_tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3, LUT), 1)  # fmt: skip
     _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
@@ -649,7 +681,7 @@ def _tq_side(
 def _store_side(
     x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr, NSPLIT: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
@@ -660,7 +692,7 @@ def _store_side(
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
         _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
-                 BITS, SCALE_MODE, GS, NCELL, HALFC, CS, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
+                 BITS, SCALE_MODE, GS, NCELL, HALFC, CS, LUT, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
                  O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
     else:
         d = tl.arange(0, DP)
@@ -731,7 +763,7 @@ def _store_side(
                 if SEARCH:
                     idx, cq = _tq_lookup(y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC, 1 << BITS)
                 else:
-                    idx, cq = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC, 1 << BITS)
+                    idx, cq = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC, 1 << BITS, LUT)
                 acc += tl.sum(tl.where((j < D)[None, :], _tq_scale_terms(y, cq, SCALE_MODE), 0), 1)
                 _pack_tile(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C, GS)
             _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
@@ -743,9 +775,9 @@ def _store_kv_kernel(
     kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
     HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
-    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr,
+    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr, KLUT: tl.constexpr,
     VMODE: tl.constexpr, VBITS: tl.constexpr, VGS: tl.constexpr,
-    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr,
+    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr, VLUT: tl.constexpr,
     SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
@@ -760,10 +792,10 @@ def _store_kv_kernel(
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
-                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, SEARCH, NGAIN,
+                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, SEARCH, NGAIN,
                 NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
-                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, SEARCH, NGAIN,
+                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, SEARCH, NGAIN,
                 NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
 
 
@@ -800,6 +832,31 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     cqbits = (cb.float() * 2.0**SCALE_QS).view(torch.int32).long() & 0xFFFFFFFF  # exact: a power of two
     tab = torch.cat([torch.stack([own, base], 1).flatten(), cbits, cqbits]).to(torch.uint32).view(torch.int32)
     return tab, ncell, halfc, cs
+
+
+def lane_table_ptx(entries: list[int]) -> str:
+    """PTX that sets $0 to entry l mod L of `entries` (L = len(entries) <= 32, float32 bits) in lane l:
+    a select tree on the bits of the lane id over immediates. `_tq_lookup` (LUT) takes the centroid of
+    the index it finds from this register by `shfl.sync.idx`: one shuffle per element instead of an
+    address (two instructions) and a load that waits on the first."""
+    n = len(entries)
+    assert n & (n - 1) == 0 and 2 <= n <= 32
+    lines = [".reg .b32 l, q;", ".reg .pred p;", "mov.u32 l, %laneid;"]
+    level = []
+    for i, e in enumerate(entries):
+        lines += [f".reg .b32 e0_{i};", f"mov.b32 e0_{i}, {e & 0xFFFFFFFF:#x};"]
+        level.append(f"e0_{i}")
+    k = 0
+    while len(level) > 1:  # bit k of the lane picks within each pair of the level below
+        lines += [f"and.b32 q, l, {1 << k};", "setp.ne.u32 p, q, 0;"]
+        nxt = []
+        for i in range(0, len(level), 2):
+            r = f"e{k + 1}_{i // 2}"
+            lines += [f".reg .b32 {r};", f"selp.b32 {r}, {level[i + 1]}, {level[i]}, p;"]
+            nxt.append(r)
+        level, k = nxt, k + 1
+    lines.append(f"mov.b32 $0, {level[0]};")
+    return "{\n" + "\n".join(lines) + "\n}"
 
 
 def _tile_plan(blocks: list[int], wmax: int) -> tuple | None:
@@ -860,7 +917,7 @@ class StorePlan:
         self.gains: torch.Tensor | None = None
         self.rot = self.tiles = None
         self.had: torch.Tensor | None = None  # H_W and the signs (`_rot_tile`), fp16
-        self.sides = []  # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS))
+        self.sides = []  # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS, LUT))
         if isinstance(fmt, ExactFormat):
             self.sides = [
                 (EXACT, 16, "k", None, None, None),
@@ -883,7 +940,11 @@ class StorePlan:
                 if search and base == "plain":
                     raise ValueError("the gain search needs a scale fitted to the indices (nc or unbiased), not plain")
                 tab, ncell, halfc, cs = _cell_table(*tq_codebook(codec.bits, d))
-                table = (tab.to(device), ncell, halfc, cs)
+                n = 1 << codec.bits
+                lut = ""
+                if LANE_LUT and n <= 32:  # the scaled centroids' bits, as the table holds them
+                    lut = lane_table_ptx([int(v) for v in tab[2 * ncell + n : 2 * ncell + 2 * n]])
+                table = (tab.to(device), ncell, halfc, cs, lut)
                 rot = codec.rotation
                 tiles = None
                 if type(rot) is Rotation and rot.blocks == hadamard_blocks(d):
@@ -998,7 +1059,7 @@ def store_kv(
         if gs is not None:
             p = p.view(WORD_DTYPES[1 if gs == -8 else bits // 2 if gs < 0 else bits if gs == 0 else gs // 8])
         args += [p, pages[sc] if sc else p, pages[zr] if zr else p, table[0] if table else p]
-        cells.append(table[1:] if table else (1, 0, 1.0))
+        cells.append(table[1:] if table else (1, 0, 1.0, ""))
     if plan.tiles is not None:
         w, g0, nt, rest = plan.tiles
         rest = rest + [(0, 16)] * (3 - len(rest))
@@ -1014,7 +1075,9 @@ def store_kv(
         plan.gains if plan.search else first,
         HKV=hkv, BS=bs, D=d, DP=dp, BT=bt, C=min(dp, 64),
         KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, KNCELL=cells[0][0], KHALFC=cells[0][1], KCS=cells[0][2],
+        KLUT=cells[0][3],
         VMODE=vm, VBITS=vb, VGS=plan.group[1] or 0, VNCELL=cells[1][0], VHALFC=cells[1][1], VCS=cells[1][2],
+        VLUT=cells[1][3],
         SCALE_MODE=plan.scale_mode, SEARCH=plan.search,
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
