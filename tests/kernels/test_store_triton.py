@@ -294,3 +294,52 @@ def test_store_gpu_search_dense_rotation(preset):
 def test_backend_search_presets_gpu(preset):
     ctx, ql = [2999, 290, 777, 60], [1, 5, 1, 4]  # prefill, then decode / verify on the same pages
     _backend_two_steps(preset, 32, 8, 128, [([0] * 4, ctx), (ctx, ql)], seed=2)
+
+
+def _run_lane_table(ptx: str, lane: int) -> int:
+    """`lane_table_ptx`'s output register in lane `lane`, by evaluating its instructions (the subset
+    it emits: mov from %laneid or an immediate, and, setp.ne, selp)."""
+    regs: dict[str, int] = {}
+    pred: dict[str, bool] = {}
+
+    def val(x: str) -> int:
+        return int(x, 0) if x[0].isdigit() else regs[x]
+
+    for line in ptx.strip("{}\n").splitlines():
+        op, _, rest = line.rstrip(";").partition(" ")
+        args = [a.strip() for a in rest.split(",")]
+        if op.startswith(".reg"):
+            continue
+        if op == "mov.u32" and args[1] == "%laneid":
+            regs[args[0]] = lane
+        elif op in ("mov.b32", "mov.u32"):
+            regs[args[0]] = val(args[1])
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "setp.ne.u32":
+            pred[args[0]] = val(args[1]) != val(args[2])
+        elif op == "selp.b32":
+            regs[args[0]] = val(args[1]) if pred[args[3]] else val(args[2])
+        else:
+            raise AssertionError(f"unexpected instruction {line!r}")
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 32])
+def test_lane_table_ptx_gives_each_lane_its_entry(n):
+    """The store's shuffle lookup (LANE_LUT) reads centroid c from lane c: lane l must hold entry l mod n."""
+    from tqserve.kvquant.store_triton import lane_table_ptx
+
+    gen = torch.Generator().manual_seed(n)
+    entries = [int(v) & 0xFFFFFFFF for v in torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen)]
+    ptx = lane_table_ptx(entries)
+    assert [_run_lane_table(ptx, lane) for lane in range(32)] == [entries[lane % n] for lane in range(32)]
+
+
+def test_lane_table_rule():
+    """The lane table serves every TurboQuant side of up to 32 centroids, except two 4-bit sides."""
+    plans = {p: StorePlan(make_layer_format(p, 1, 8, 128, torch.bfloat16), "cpu") for p in ("tq3", "tq_k4v4_ub")}
+    assert [bool(s[5][4]) for s in plans["tq3"].sides] == [True, True]
+    assert [bool(s[5][4]) for s in plans["tq_k4v4_ub"].sides] == [False, False]
+    fmt = make_layer_format("turboquant_4bit_nc", 1, 8, 128, torch.bfloat16)
+    assert bool(StorePlan(fmt, "cpu").sides[0][5][4]) and StorePlan(fmt, "cpu").sides[1][5] is None

@@ -57,8 +57,12 @@ WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 # TurboQuant sides of 2- or 4-bit codes in one Hadamard block: the rotation's output columns permuted so
 # that each thread packs whole half groups of 4 codes in registers (`_half_cols`, `_pack_tile` GS = -1)
 HALF_GROUPS = 1
-# Scaled centroids by a warp shuffle from a lane table (`lane_lookup_ptx`) instead of a second load
+# Scaled centroids by a warp shuffle from a lane table (`lane_table_ptx`) instead of a second load.
+# Not where both sides are 4-bit TurboQuant: with two 16-entry tables the 16 x 2 launch of tq_k4v4_ub
+# takes 128 registers instead of 80 (8 programs per SM instead of 12) and ran 3% slower (H100,
+# twenty-fourth session: 0.0681 vs 0.0661 ms); capped at 80 or 96 it spills
 LANE_LUT = 1
+LANE_LUT_TWO_4BIT = 0
 # `reference.fixed_point`'s constants
 _FIX_BIAS = tl.constexpr(FIX_BIAS)
 _FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
@@ -226,9 +230,7 @@ def _pack_tile(
 
 
 @triton.jit
-def _tq_lookup(
-    y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALED: tl.constexpr = 0, LUT: tl.constexpr = ""
-):
+def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALED: tl.constexpr, LUT: tl.constexpr):
     """(#{boundaries < y}, its centroid) per element of rotated coordinates y, by one table lookup.
 
     a * b is y * CS (cells per unit of y) to within a few float ulps (z * (f * CS) will do): its
@@ -357,7 +359,7 @@ def _tq_scale_terms(y, cq, SCALE_MODE: tl.constexpr):
 def _tq_gain_stats(y, g, gc, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     """The elements' terms of <y, c> and ||c||^2 over this tile for c = c[nearest-centroid indices
     of g * y] (the gain-search candidate of gain g; gc = g * CS)."""
-    _, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC)
+    _, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 0, "")
     return y * cv, cv * cv
 
 
@@ -384,7 +386,7 @@ def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
                   D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):  # fmt: skip
     """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1]); return the
     elements' int32 terms of the scale's sum over those indices (`_tq_scale_terms`)."""
-    idx, cq = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 1 << BITS)
+    idx, cq = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 1 << BITS, "")
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     return _tq_scale_terms(y, cq, SCALE_MODE)
 
@@ -751,7 +753,7 @@ def _store_side(
                     for c0 in tl.static_range(0, DP, C):
                         j = c0 + tl.arange(0, C)
                         y = _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D, C)
-                        _, cv = _tq_lookup(y * g, y, g * CS, tab_ptr, NCELL, HALFC)
+                        _, cv = _tq_lookup(y * g, y, g * CS, tab_ptr, NCELL, HALFC, 0, "")
                         jm = (j < D)[None, :]
                         dot += tl.sum(tl.where(jm, y * cv, 0.0), 1)
                         cc += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
@@ -761,7 +763,7 @@ def _store_side(
                 j = c0 + tl.arange(0, C)
                 y = _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D, C)
                 if SEARCH:
-                    idx, cq = _tq_lookup(y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC, 1 << BITS)
+                    idx, cq = _tq_lookup(y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC, 1 << BITS, "")
                 else:
                     idx, cq = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC, 1 << BITS, LUT)
                 acc += tl.sum(tl.where((j < D)[None, :], _tq_scale_terms(y, cq, SCALE_MODE), 0), 1)
@@ -974,6 +976,8 @@ class StorePlan:
         if {s[0] for s in self.sides} == {TQ, TQ_DENSE}:
             raise NotImplementedError("keys and values with different rotations")
         self.scale_mode, self.search = modes.pop() if modes else (0, False)
+        if not LANE_LUT_TWO_4BIT and all(m in (TQ, TQ_DENSE) and b == 4 for m, b, *_ in self.sides):
+            self.sides = [(*side[:5], (*side[5][:4], "")) for side in self.sides]
         if self.search:
             self.gains = torch.tensor(SEARCH_GAINS, dtype=torch.float32, device=device)
         self.group = [self._group(mode, bits) for mode, bits, *_ in self.sides]
