@@ -337,9 +337,12 @@ def test_lane_table_ptx_gives_each_lane_its_entry(n):
 
 
 def test_lane_table_rule():
-    """The lane table serves every TurboQuant side of up to 32 centroids, except two 4-bit sides."""
-    plans = {p: StorePlan(make_layer_format(p, 1, 8, 128, torch.bfloat16), "cpu") for p in ("tq3", "tq_k4v4_ub")}
+    """The lane table serves every TurboQuant side of up to 32 centroids, except two 4-bit unbiased sides."""
+    presets = ("tq3", "tq4", "tq_k4v4_ub", "tq_k4v4_nc")
+    plans = {p: StorePlan(make_layer_format(p, 1, 8, 128, torch.bfloat16), "cpu") for p in presets}
     assert [bool(s[5][4]) for s in plans["tq3"].sides] == [True, True]
+    assert [bool(s[5][4]) for s in plans["tq4"].sides] == [True, True]
     assert [bool(s[5][4]) for s in plans["tq_k4v4_ub"].sides] == [False, False]
+    assert [bool(s[5][4]) for s in plans["tq_k4v4_nc"].sides] == [True, True]
     fmt = make_layer_format("turboquant_4bit_nc", 1, 8, 128, torch.bfloat16)
     assert bool(StorePlan(fmt, "cpu").sides[0][5][4]) and StorePlan(fmt, "cpu").sides[1][5] is None

@@ -57,12 +57,14 @@ WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 # TurboQuant sides of 2- or 4-bit codes in one Hadamard block: the rotation's output columns permuted so
 # that each thread packs whole half groups of 4 codes in registers (`_half_cols`, `_pack_tile` GS = -1)
 HALF_GROUPS = 1
-# Scaled centroids by a warp shuffle from a lane table (`lane_table_ptx`) instead of a second load.
-# Not where both sides are 4-bit TurboQuant: with two 16-entry tables the 16 x 2 launch of tq_k4v4_ub
-# takes 128 registers instead of 80 (8 programs per SM instead of 12) and ran 3% slower (H100,
-# twenty-fourth session: 0.0681 vs 0.0661 ms); capped at 80 or 96 it spills
+# Scaled centroids by a warp shuffle from a lane table (`lane_table_ptx`) instead of a second load
+# (H100, twenty-fourth session, 16K tokens, ms without / with: 4bit_nc 0.0524 / 0.0514, 3bit_nc 0.0537 /
+# 0.0531, k3v4_nc 0.0547 / 0.0540, tq3 0.0650 / 0.0643, tq4 0.0836 / 0.0808, tq_k4v4_nc 0.0698 / 0.0686).
+# Not for two 4-bit unbiased sides: there the 16 x 2 launch takes 128 registers instead of 80 (8
+# programs per SM instead of 12) and tq_k4v4_ub ran 3% slower (0.0659 / 0.0679; capped at 80 or 96 it
+# spills); LANE_LUT_TWO_4BIT_UB = 1 keeps the table there too
 LANE_LUT = 1
-LANE_LUT_TWO_4BIT = 0
+LANE_LUT_TWO_4BIT_UB = 0
 # `reference.fixed_point`'s constants
 _FIX_BIAS = tl.constexpr(FIX_BIAS)
 _FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
@@ -976,7 +978,8 @@ class StorePlan:
         if {s[0] for s in self.sides} == {TQ, TQ_DENSE}:
             raise NotImplementedError("keys and values with different rotations")
         self.scale_mode, self.search = modes.pop() if modes else (0, False)
-        if not LANE_LUT_TWO_4BIT and all(m in (TQ, TQ_DENSE) and b == 4 for m, b, *_ in self.sides):
+        two_4bit = all(m in (TQ, TQ_DENSE) and b == 4 for m, b, *_ in self.sides)
+        if two_4bit and self.scale_mode == SCALE_MODES["unbiased"] and not LANE_LUT_TWO_4BIT_UB:
             self.sides = [(*side[:5], (*side[5][:4], "")) for side in self.sides]
         if self.search:
             self.gains = torch.tensor(SEARCH_GAINS, dtype=torch.float32, device=device)
