@@ -66,6 +66,25 @@ HALF_GROUPS = 1
 # spills); LANE_LUT_TWO_4BIT_UB = 1 keeps the table there too
 LANE_LUT = 1
 LANE_LUT_TWO_4BIT_UB = 0
+# `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
+# Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
+# of 1.5 * 2^23 less HALFC, $6 NCELL - 1, $7 the cell table, $8 the centroid column (a load) or the
+# lane's table entry (a shuffle, `LANE_LUT`)
+_CELL_PTX = """
+.reg .f32 t, pb;
+.reg .b32 c, m, bs;
+.reg .b64 ad;
+fma.rn.f32 t, $3, $4, 0f4B400000;
+mov.b32 c, t;
+sub.s32 c, c, $5;
+min.u32 c, c, $6;
+mad.wide.u32 ad, c, 8, $7;
+ld.global.nc.v2.b32 {pb, bs}, [ad];
+set.gt.u32.f32 m, $2, pb;
+sub.s32 $0, bs, m;
+"""
+_LOOKUP_LOAD = tl.constexpr("{" + _CELL_PTX + "mad.wide.s32 ad, $0, 4, $8;\nld.global.nc.b32 $1, [ad];\n}")
+_LOOKUP_SHFL = tl.constexpr("{" + _CELL_PTX + "shfl.sync.idx.b32 $1, $8, $0, 0x1f, 0xffffffff;\n}")
 # `reference.fixed_point`'s constants
 _FIX_BIAS = tl.constexpr(FIX_BIAS)
 _FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
@@ -258,63 +277,24 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALE
     LUT (GPU, the scaled centroids only): `lane_table_ptx`'s lane table, from which the centroid is
     taken by a warp shuffle instead of the second load."""
     b = tl.zeros_like(y) + b  # a column or a scalar: the asm takes whole tiles
-    if _ASM and LUT != "":
+    if _ASM:
         z32 = tl.zeros(y.shape, dtype=tl.int32)
-        # the lane's table entry: one pure op of constant operands in every element and call (computed once)
-        tb = tl.inline_asm_elementwise(LUT, "=r,r", [z32], dtype=tl.int32, is_pure=True, pack=1)
-        idx, cv = tl.inline_asm_elementwise(
-            """{
-            .reg .f32 t, pb;
-            .reg .b32 c, m, bs;
-            .reg .b64 ad;
-            fma.rn.f32 t, $3, $4, 0f4B400000;
-            mov.b32 c, t;
-            sub.s32 c, c, $5;
-            min.u32 c, c, $6;
-            mad.wide.u32 ad, c, 8, $7;
-            ld.global.nc.v2.b32 {pb, bs}, [ad];
-            set.gt.u32.f32 m, $2, pb;
-            sub.s32 $0, bs, m;
-            shfl.sync.idx.b32 $1, $8, $0, 0x1f, 0xffffffff;
-            }""",
-            "=r,=r,r,r,r,r,r,l,r",
-            [y, a, b, z32 + (0x4B400000 - HALFC), z32 + (NCELL - 1), z32.to(tl.int64) + tab_ptr.to(tl.int64), tb],
-            dtype=(tl.int32, tl.float32),
-            is_pure=True,
-            pack=1,
-        )
-    elif _ASM:
-        z32 = tl.zeros(y.shape, dtype=tl.int32)
-        idx, cv = tl.inline_asm_elementwise(
-            """{
-            .reg .f32 t, pb;
-            .reg .b32 c, m, bs;
-            .reg .b64 ad;
-            fma.rn.f32 t, $3, $4, 0f4B400000;
-            mov.b32 c, t;
-            sub.s32 c, c, $6;
-            min.u32 c, c, $7;
-            mad.wide.u32 ad, c, 8, $5;
-            ld.global.nc.v2.b32 {pb, bs}, [ad];
-            set.gt.u32.f32 m, $2, pb;
-            sub.s32 $0, bs, m;
-            mad.wide.s32 ad, $0, 4, $8;
-            ld.global.nc.b32 $1, [ad];
-            }""",
-            "=r,=r,r,r,r,l,r,r,l",
-            [
-                y,
-                a,
-                b,
-                z32.to(tl.int64) + tab_ptr.to(tl.int64),
-                z32 + (0x4B400000 - HALFC),
-                z32 + (NCELL - 1),
-                z32.to(tl.int64) + (tab_ptr + 2 * NCELL + SCALED).to(tl.int64),
-            ],
-            dtype=(tl.int32, tl.float32),
-            is_pure=True,
-            pack=1,
-        )
+        c5 = z32 + (0x4B400000 - HALFC)
+        c6 = z32 + (NCELL - 1)
+        cells = z32.to(tl.int64) + tab_ptr.to(tl.int64)
+        if LUT != "":
+            # the lane's table entry: one pure op of constant operands in every element and call (computed once)
+            tb = tl.inline_asm_elementwise(LUT, "=r,r", [z32], dtype=tl.int32, is_pure=True, pack=1)
+            idx, cv = tl.inline_asm_elementwise(
+                _LOOKUP_SHFL, "=r,=r,r,r,r,r,r,l,r", [y, a, b, c5, c6, cells, tb],
+                dtype=(tl.int32, tl.float32), is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            cents = z32.to(tl.int64) + (tab_ptr + 2 * NCELL + SCALED).to(tl.int64)
+            idx, cv = tl.inline_asm_elementwise(
+                _LOOKUP_LOAD, "=r,=r,r,r,r,r,r,l,l", [y, a, b, c5, c6, cells, cents],
+                dtype=(tl.int32, tl.float32), is_pure=True, pack=1,
+            )  # fmt: skip
     else:
         t = a * b + 12582912.0
         cell = (t.to(tl.int32, bitcast=True) - (0x4B400000 - HALFC)).to(tl.uint32, bitcast=True)
