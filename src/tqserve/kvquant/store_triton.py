@@ -194,7 +194,9 @@ def _pack_tile(
     [GS*w, GS*w + GS), each shifted into place (shift amounts are compile-time per column).
     GS = -1 (`HALF_GROUPS`): the tile's columns are in `_half_cols` order, so the 4 indices of each
     half group (coordinates 4 h .. 4 h + 3) are columns (t, e) of one (w, c); they are packed where
-    they are, in registers, into one 4b-bit word each (b in 2, 4; pay_ptr an int8 / int16 view)."""
+    they are, in registers, into one 4b-bit word each (b in 2, 4; pay_ptr an int8 / int16 view).
+    GS = -8: the columns in `_half_cols`' one-warp order, so each thread holds a whole group of 8
+    codes (coordinates 8 h .. 8 h + 7); its b bytes are stored one by one (pay_ptr an int8 view)."""
     if GS == -8:
         i4 = tl.permute(tl.reshape(idx, (BT, W // 8, 4, 2)), (0, 2, 1, 3))  # [.., c, n, e]
         gv = tl.sum(tl.reshape(i4, (BT, W // 8, 8)) << (tl.arange(0, 8) * BITS)[None, None, :], 2)
