@@ -6,10 +6,11 @@ set -o pipefail
 source .device-carry/gpu-env.sh || exit 1
 export PYTHONPATH="$PWD/tests:$PWD/benchmarks:$PYTHONPATH"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-# (the whole of test_paged_decode ran past 240 and 300 s on an H100 in the twenty-second session: give it
-# a call of its own with KERNEL_TESTS=test_paged_decode TEST_TIMEOUT=540 when its every case matters)
+# Tests run in TEST_WORKERS processes (pytest-xdist, in the device image): the time goes to compiling, on
+# the CPU. The whole of test_paged_decode ran past 240 and 300 s in one process on an H100 (twenty-second
+# session); test_store_triton -m gpu takes 38-45 s with 8 workers (twenty-fourth session).
 for f in ${KERNEL_TESTS:-test_paged_decode test_float32_models test_paged_attention test_paged_fuzz test_store_triton}; do
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m "gpu or not gpu" "tests/kernels/$f.py" -p no:cacheprovider 2>&1 \
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -n ${TEST_WORKERS:-8} -m "gpu or not gpu" "tests/kernels/$f.py" -p no:cacheprovider 2>&1 \
     | grep -vE "^[.s]+ *(\[ *[0-9]+%\])?$" | tail -12 | tee "$OUT/tests_$f.log"
 done
 timeout 240 python3 benchmarks/decode_ab.py --no-checks --graphs --lookups shfl ${AB_ARGS:-} --json "$OUT/decode_ab.json" \
