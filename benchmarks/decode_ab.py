@@ -9,6 +9,9 @@ PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --graphs --looku
     sets, graph replays; `narrow.` knobs are attention/paged_decode_narrow.py's)
 PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --no-general --rounds 3 --graphs --lookups shfl \
     --variants ',narrow.VALUE_ROWS=0'   (each variant timed 3 times, interleaved; median and range reported)
+PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --no-general --rounds 3 --graphs --lookups shfl \
+    --old main=/tmp/main/src/tqserve/attention/paged_decode_narrow.py --variants ',module=main'   (another copy
+    of the narrow kernel's module, e.g. a committed version, as a variant: same pages, same process)
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ CHECKS = [
     ("tq4s", 32, 8, 128), ("turboquant_4bit_nc", 9, 3, 64), ("tq3", 28, 4, 128), ("tq_k4v4_nc", 16, 2, 256),
 ]  # fmt: skip
 ROWS: list[dict] = []
+# Copies of attention/paged_decode_narrow.py a variant can switch to ("module=label", `--old`); "new" is this tree's.
+MODULES = {"new": narrow}
 
 
 def row(**kw) -> None:
@@ -60,6 +65,13 @@ def _apply(variant: str) -> str:
     undo = []
     for kv in filter(None, variant.split(";")):
         name, val = kv.split("=")
+        if name == "module":  # the launcher imports the narrow kernel's module from the package each call
+            import tqserve.attention as package
+
+            current = next(k for k, m in MODULES.items() if m is package.paged_decode_narrow)
+            undo.append(f"module={current}")
+            package.paged_decode_narrow = MODULES[val]
+            continue
         prefix, _, attr = name.rpartition(".")
         module = {"": paged_decode, "narrow": narrow, "finish": finish}[prefix]
         old = getattr(module, attr)
@@ -130,7 +142,15 @@ def main() -> None:
     ap.add_argument("--no-checks", action="store_true", help="skip the real-size reference checks")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the variants (median reported)")
     ap.add_argument("--no-general", action="store_true", help="don't time the general kernel")
+    ap.add_argument("--old", action="append", default=[], help="label=path of another paged_decode_narrow.py")
     args = ap.parse_args()
+    for spec in args.old:
+        import importlib.util
+
+        label, path = spec.split("=", 1)
+        mspec = importlib.util.spec_from_file_location(f"tqserve.attention.paged_decode_narrow_{label}", path)
+        MODULES[label] = importlib.util.module_from_spec(mspec)
+        mspec.loader.exec_module(MODULES[label])
     dev = torch.device("cuda")
     if not args.no_checks:
         checks()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
+import triton.language as tl
 from paged_cases import backend_step_errors, fill_context, make_meta
 from test_paged_attention import TOL, _check_one_step
 from triton_env import DEV, triton_kernels
@@ -358,6 +359,55 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
         err = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
         assert err < 4e-3, err  # bf16 outputs: a last-bit flip at most
     assert len(narrow_spy) == 4
+
+
+@pytest.mark.parametrize(("preset", "dtype"), [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.float16)])
+def test_narrow_rotation_dots_16bit(preset, dtype, narrow_spy, monkeypatch):
+    """The in-kernel rotation's Hadamard dots on the query's 16-bit operands (`ROT16`, the GPU's
+    default; the interpreter keeps float32 dots) against tf32 ones: the products are exact either way,
+    so the outputs agree to the float32 sums' rounding, decode and verify, split or not."""
+    monkeypatch.setattr(narrow, "QROT", 1)
+    for run in _steps(preset, 128, seed=23, dtype=dtype):
+        for splits in (None, 3):
+            outs = []
+            for on in (1, 0):
+                monkeypatch.setattr(narrow, "ROT16", on)
+                outs.append(run(num_splits=splits).float())
+            assert not outs[0].isnan().any()
+            err = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
+            assert err < 4e-3, (splits, err)  # 16-bit outputs: a last-bit flip at most
+    assert len(narrow_spy) == 8
+
+
+@triton.jit
+def _signs_kernel(q_ptr, r_ptr, o_ptr, h_ptr, D: tl.constexpr, N: tl.constexpr, ROT16: tl.constexpr):
+    n = tl.arange(0, N)
+    x = narrow._q_signed(q_ptr, r_ptr, 0, n, n < N - 1, D, ROT16)  # the last column is padding
+    d = tl.arange(0, D)
+    tl.store(o_ptr + d[:, None] * N + n[None, :], x.to(tl.float32))
+    tl.store(h_ptr + d[:, None] * D + d[None, :], narrow._sylvester(D, q_ptr.dtype.element_ty).to(tl.float32))
+
+
+@triton_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rot16", [0, 1])
+def test_query_signs_and_sylvester(dtype, rot16):
+    """The rotation's pieces: `_q_signed` flips each query coordinate by the sign bit of R's first row (an
+    XOR, on the 16-bit words with ROT16) and zeroes padded columns; `_sylvester` builds H from the parity
+    as a sign bit, exactly, in each dtype."""
+    d, n = 32, 8
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(n - 1, d, generator=gen).to(DEV, dtype)
+    r = torch.randn(d, generator=gen).to(DEV)
+    out = torch.empty(d, n, device=DEV)
+    h = torch.empty(d, d, device=DEV)
+    _signs_kernel[(1,)](q, r, out, h, D=d, N=n, ROT16=rot16)
+    want = (q.float() * torch.where(r > 0, 1.0, -1.0)[None, :]).T.cpu()
+    assert torch.equal(out.cpu()[:, : n - 1], want)
+    assert (out.cpu()[:, n - 1] == 0).all()
+    i = torch.arange(d)
+    parity = torch.tensor([bin(int(x)).count("1") % 2 for x in (i[:, None] & i[None, :]).flatten()]).view(d, d)
+    assert torch.equal(h.cpu(), 1.0 - 2.0 * parity.float())
 
 
 @pytest.mark.parametrize(("preset", "dtype"), [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.bfloat16),

@@ -135,6 +135,11 @@ QROT_EXACT_DECODE = 1
 #   0.4571 -> 0.4674, although its loop is 26 instructions shorter (1,883 -> 1,857); not taken.
 PARK = 0
 PARK_DECODE = 1
+# The in-kernel rotation's Hadamard dots on 16-bit operands (the query's own dtype; +-1 and a 16-bit query
+# are exact either way, the float32 sums round alike): m16n8k16 dots instead of tf32 m16n8k8 ones, half
+# the tensor-core instructions and no float32 operand registers (0: float32 operands, tf32 dots). Not under
+# the interpreter, whose bf16 dots are wrong (triton 3.9: ~1e10 errors), nor in float32 models.
+ROT16 = 1
 PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exact_decode_rotation`'s)
 # Undo the value rotation in each program's epilogue (`unrotates_values`): the accumulators of codebook
 # values are in the rotated space, and R^T = diag(s) H / sqrt(d) is applied to them before the split's
@@ -451,23 +456,31 @@ def _q_cols(q_ptr, tok, hq, h_ok, j: tl.constexpr, qk_scale, S: tl.constexpr, D:
 
 
 @triton.jit
-def _sylvester(n: tl.constexpr):
-    """Sylvester's [n, n] Hadamard matrix, H[i, j] = (-1) ** popcount(i & j), float32 (n <= 256)."""
+def _sylvester(n: tl.constexpr, dtype: tl.constexpr = tl.float32):
+    """Sylvester's [n, n] Hadamard matrix, H[i, j] = (-1) ** popcount(i & j), in `dtype` (n <= 256): the
+    parity, folded into bit 0, becomes the sign bit of 1.0 (no integer -> float conversion, no multiply)."""
     i = tl.arange(0, n)
     x = i[:, None] & i[None, :]
     x = x ^ (x >> 4)
     x = x ^ (x >> 2)
     x = x ^ (x >> 1)
-    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+    return ((x << 31) | 0x3F800000).to(tl.float32, bitcast=True).to(dtype)
 
 
 @triton.jit
-def _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D: tl.constexpr):
-    """s * x for the unrotated query columns, [D, N] float32, in one load (the slices are cut from it
-    in registers): the sign of each coordinate is that of R's first row (R = H diag(s) / sqrt(D))."""
+def _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D: tl.constexpr, ROT16: tl.constexpr):
+    """s * x for the unrotated query columns, [D, N], in one load (the slices are cut from it in registers):
+    the sign of each coordinate is that of R's first row (R = H diag(s) / sqrt(D)). In the query's own
+    dtype with ROT16 (16-bit queries: the rotation's dots then take 16-bit operands, exact for +-1 and a
+    16-bit query, float32 sums), else float32; either way the sign bit is applied by an XOR."""
     d = tl.arange(0, D)
-    x = tl.load(q_ptr + tok + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0).to(tl.float32)
-    return x * tl.where(tl.load(r_ptr + d) > 0.0, 1.0, -1.0)[:, None]
+    x = tl.load(q_ptr + tok + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0)
+    sign = (tl.load(r_ptr + d).to(tl.int32, bitcast=True) >> 31) << 31  # 0 or 0x80000000
+    if ROT16 and q_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        out = (x.to(tl.int16, bitcast=True) ^ (sign >> 16).to(tl.int16)[:, None]).to(x.dtype, bitcast=True)
+    else:
+        out = (x.to(tl.float32).to(tl.int32, bitcast=True) ^ sign[:, None]).to(tl.float32, bitcast=True)
+    return out
 
 
 @triton.jit
@@ -508,18 +521,21 @@ def _hdot4(h, x0, x1, x2, x3, PREC: tl.constexpr):
 
 
 @triton.jit
-def _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr):
+def _rot_q4(
+    q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr, ROT16: tl.constexpr
+):
     """The 4 slices of R q for 4 coordinates per word (`_q_cols` of the rotated query, scaled): with
     coordinate i = 4 g + j, H_D = H_{D/4} (over g) x H_4 (over j), so each slice takes one dot with
-    H_{D/4} (16-bit queries and +-1 are exact in tf32: the dot only rounds its float32 sums) and the 4
-    are mixed by a 2-stage butterfly. `scale` includes 1 / sqrt(D)."""
-    x = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D)
+    H_{D/4} and the 4 are mixed by a 2-stage butterfly. The dots' products are exact (+-1 times a 16-bit
+    query, as 16-bit operands with ROT16 or in tf32): only their float32 sums round. `scale` includes
+    1 / sqrt(D)."""
+    x = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D, ROT16)
     N: tl.constexpr = x.shape[1]
     x = tl.permute(tl.reshape(x, (D // 4, 2, 2, N)), (0, 3, 1, 2))  # [g, column, a, b]: i = 4 g + 2 a + b
     xb0, xb1 = tl.split(x)
     x0, x2 = tl.split(xb0)
     x1, x3 = tl.split(xb1)
-    y0, y1, y2, y3 = _hdot4(_sylvester(D // 4), x0, x1, x2, x3, PREC)
+    y0, y1, y2, y3 = _hdot4(_sylvester(D // 4, x.dtype), x0, x1, x2, x3, PREC)
     y0, y1, y2, y3 = _h4(y0, y1, y2, y3)
     return (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T)
 
@@ -546,9 +562,11 @@ def _park_q4(obase, h_ok, q0, q1, q2, q3, D: tl.constexpr):
 
 
 @triton.jit
-def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr):
+def _rot_q8(
+    q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr, ROT16: tl.constexpr
+):
     """`_rot_q4` for 8 coordinates per group (3-bit codes): H_D = H_{D/8} x H_8, a 3-stage butterfly."""
-    x = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D)
+    x = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D, ROT16)
     N: tl.constexpr = x.shape[1]
     x = tl.permute(tl.reshape(x, (D // 8, 2, 2, 2, N)), (0, 4, 1, 2, 3))  # i = 8 g + 4 a + 2 b + c
     xc0, xc1 = tl.split(x)
@@ -558,7 +576,7 @@ def _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.const
     x2, x6 = tl.split(xb01)
     x1, x5 = tl.split(xb10)
     x3, x7 = tl.split(xb11)
-    h = _sylvester(D // 8)
+    h = _sylvester(D // 8, x.dtype)
     y0, y1, y2, y3 = _hdot4(h, x0, x1, x2, x3, PREC)
     y4, y5, y6, y7 = _hdot4(h, x4, x5, x6, x7, PREC)
     y0, y1, y2, y3, y4, y5, y6, y7 = _h8(y0, y1, y2, y3, y4, y5, y6, y7)
@@ -666,9 +684,10 @@ def _value_rows(vw, VPERM: tl.constexpr):
 
 
 @triton.jit
-def _store_cols(obase, acc, l_safe, h_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr, VPERM: tl.constexpr):
+def _store_cols(obase, acc, inv_l, h_ok, j: tl.constexpr, S: tl.constexpr, D: tl.constexpr, VPERM: tl.constexpr):
+    """Accumulator slice j times the columns' 1 / l (one reciprocal per column, not a division per element)."""
     g = _word_rows(D // S, VPERM)
-    tl.store(obase + g[:, None] * S + j, (acc / l_safe[None, :]).to(obase.dtype.element_ty), mask=h_ok[None, :])
+    tl.store(obase + g[:, None] * S + j, (acc * inv_l[None, :]).to(obase.dtype.element_ty), mask=h_ok[None, :])
 
 
 @triton.jit
@@ -749,9 +768,8 @@ def _exact_program(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if NPART == 2:
         tl.store(obase + d[:, None], tl.zeros_like(accx).to(obase.dtype.element_ty), mask=h_ok[None, :])
-    tl.store(
-        obase + (NPART - 1) * D + d[:, None], (accx / l_safe[None, :]).to(obase.dtype.element_ty), mask=h_ok[None, :]
-    )
+    res = accx * (1.0 / l_safe)[None, :]
+    tl.store(obase + (NPART - 1) * D + d[:, None], res.to(obase.dtype.element_ty), mask=h_ok[None, :])
     tl.store(lse_row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=h_ok)
 
 
@@ -783,14 +801,14 @@ def _mask_scores(
 @triton.jit
 def _finish_group(obase, lse_row, m_i, l_i, h_ok, D: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr):
     """A column group's end: zeros in the exact part (NPART = 2; split 0 holds the exact pairs), its
-    log-sum-exp for the split-K combine; returns the divisor of its accumulators."""
+    log-sum-exp for the split-K combine; returns the reciprocal of its accumulators' divisor."""
     if NPART == 2:
         d = tl.arange(0, D)
         tl.store(obase + D + d[:, None], tl.zeros([D, h_ok.shape[0]], dtype=obase.dtype.element_ty), mask=h_ok[None, :])
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if SPLIT:
         tl.store(lse_row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=h_ok)
-    return l_safe
+    return 1.0 / l_safe
 
 
 @triton.jit(do_not_specialize=["stride_ls"])
@@ -808,7 +826,7 @@ def _narrow_decode_kernel(
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
-    VROT: tl.constexpr, RPREC: tl.constexpr,
+    VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -858,9 +876,9 @@ def _narrow_decode_kernel(
     # the query coordinates SK g + j, accumulator j the output coordinates SV g + j
     KV: tl.constexpr = D // SV
     if QROT and SK == 8:  # q_ptr: the unrotated query, rotated here (`rotates_query`)
-        q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
+        q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
     elif QROT:
-        q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC)
+        q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
         if PARKQ and pk_t.primitive_bitwidth <= out_ptr.dtype.element_ty.primitive_bitwidth:
             q0, q1, q2, q3 = _park_q4(obase, h_ok, q0, q1, q2, q3, D)
     else:
@@ -891,10 +909,10 @@ def _narrow_decode_kernel(
         tok2 = tok_c2[None, :] * stride_qt
         if QROT and SK == 8:
             r0, r1, r2, r3, r4, r5, r6, r7 = _rot_q8(
-                q_ptr, r_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC
+                q_ptr, r_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16
             )  # fmt: skip
         elif QROT:
-            r0, r1, r2, r3 = _rot_q4(q_ptr, r_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC)
+            r0, r1, r2, r3 = _rot_q4(q_ptr, r_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
         else:
             r0 = _q_cols(q_ptr, tok2, hq2, h_ok2, 0, qk_scale, SK, D, pk_t)
             r1 = _q_cols(q_ptr, tok2, hq2, h_ok2, 1, qk_scale, SK, D, pk_t)
@@ -1056,16 +1074,16 @@ def _narrow_decode_kernel(
         else:
             a0, a1, a2, a3 = _unrotate4(a0, a1, a2, a3, vr_ptr, D, VPERM, RPREC)
     vs = vsum[None, :]
-    l_safe = _finish_group(obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, NPART, SPLIT)
-    _store_cols(obase, a0 + vs, l_safe, h_ok, 0, SV, D, VPERM)
-    _store_cols(obase, a1 + vs, l_safe, h_ok, 1, SV, D, VPERM)
-    _store_cols(obase, a2 + vs, l_safe, h_ok, 2, SV, D, VPERM)
-    _store_cols(obase, a3 + vs, l_safe, h_ok, 3, SV, D, VPERM)
+    inv_l = _finish_group(obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, NPART, SPLIT)
+    _store_cols(obase, a0 + vs, inv_l, h_ok, 0, SV, D, VPERM)
+    _store_cols(obase, a1 + vs, inv_l, h_ok, 1, SV, D, VPERM)
+    _store_cols(obase, a2 + vs, inv_l, h_ok, 2, SV, D, VPERM)
+    _store_cols(obase, a3 + vs, inv_l, h_ok, 3, SV, D, VPERM)
     if SV == 8:
-        _store_cols(obase, a4 + vs, l_safe, h_ok, 4, SV, D, VPERM)
-        _store_cols(obase, a5 + vs, l_safe, h_ok, 5, SV, D, VPERM)
-        _store_cols(obase, a6 + vs, l_safe, h_ok, 6, SV, D, VPERM)
-        _store_cols(obase, a7 + vs, l_safe, h_ok, 7, SV, D, VPERM)
+        _store_cols(obase, a4 + vs, inv_l, h_ok, 4, SV, D, VPERM)
+        _store_cols(obase, a5 + vs, inv_l, h_ok, 5, SV, D, VPERM)
+        _store_cols(obase, a6 + vs, inv_l, h_ok, 6, SV, D, VPERM)
+        _store_cols(obase, a7 + vs, inv_l, h_ok, 7, SV, D, VPERM)
     if N2 > 0:
         obase2 = out_ptr + pid_s * stride_os + tok_c2[None, :] * stride_ot + hq2[None, :] * (NPART * D)
         if VROT:
@@ -1074,18 +1092,18 @@ def _narrow_decode_kernel(
             else:
                 b0, b1, b2, b3 = _unrotate4(b0, b1, b2, b3, vr_ptr, D, VPERM, RPREC)
         vs2 = vsum2[None, :]
-        l_safe2 = _finish_group(
+        inv_l2 = _finish_group(
             obase2, lse_ptr + pid_s * stride_ls + tok_c2 * stride_lt + hq2, m_i2, l_i2, h_ok2, D, NPART, SPLIT
         )  # fmt: skip
-        _store_cols(obase2, b0 + vs2, l_safe2, h_ok2, 0, SV, D, VPERM)
-        _store_cols(obase2, b1 + vs2, l_safe2, h_ok2, 1, SV, D, VPERM)
-        _store_cols(obase2, b2 + vs2, l_safe2, h_ok2, 2, SV, D, VPERM)
-        _store_cols(obase2, b3 + vs2, l_safe2, h_ok2, 3, SV, D, VPERM)
+        _store_cols(obase2, b0 + vs2, inv_l2, h_ok2, 0, SV, D, VPERM)
+        _store_cols(obase2, b1 + vs2, inv_l2, h_ok2, 1, SV, D, VPERM)
+        _store_cols(obase2, b2 + vs2, inv_l2, h_ok2, 2, SV, D, VPERM)
+        _store_cols(obase2, b3 + vs2, inv_l2, h_ok2, 3, SV, D, VPERM)
         if SV == 8:
-            _store_cols(obase2, b4 + vs2, l_safe2, h_ok2, 4, SV, D, VPERM)
-            _store_cols(obase2, b5 + vs2, l_safe2, h_ok2, 5, SV, D, VPERM)
-            _store_cols(obase2, b6 + vs2, l_safe2, h_ok2, 6, SV, D, VPERM)
-            _store_cols(obase2, b7 + vs2, l_safe2, h_ok2, 7, SV, D, VPERM)
+            _store_cols(obase2, b4 + vs2, inv_l2, h_ok2, 4, SV, D, VPERM)
+            _store_cols(obase2, b5 + vs2, inv_l2, h_ok2, 5, SV, D, VPERM)
+            _store_cols(obase2, b6 + vs2, inv_l2, h_ok2, 6, SV, D, VPERM)
+            _store_cols(obase2, b7 + vs2, inv_l2, h_ok2, 7, SV, D, VPERM)
 
 
 def launch(
@@ -1150,6 +1168,7 @@ def launch(
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
+        ROT16=bool(ROT16) and not dot_f32,
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
