@@ -363,14 +363,15 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
 
 @pytest.mark.parametrize(("preset", "dtype"), [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.float16)])
 def test_narrow_rotation_dots_16bit(preset, dtype, narrow_spy, monkeypatch):
-    """The in-kernel rotation's Hadamard dots on the query's 16-bit operands (`ROT16`, the GPU's
-    default; the interpreter keeps float32 dots) against tf32 ones: the products are exact either way,
-    so the outputs agree to the float32 sums' rounding, decode and verify, split or not."""
+    """The in-kernel rotation's Hadamard dots on the query's 16-bit operands with H from `hadamard_table`
+    (`ROT16`, the GPU's default for parked rotations, here for every one; the interpreter keeps float32
+    dots) against tf32 ones on H built in registers: the products are exact either way, so the outputs
+    agree to the float32 sums' rounding, decode and verify, split or not."""
     monkeypatch.setattr(narrow, "QROT", 1)
     for run in _steps(preset, 128, seed=23, dtype=dtype):
         for splits in (None, 3):
             outs = []
-            for on in (1, 0):
+            for on in (2, 0):
                 monkeypatch.setattr(narrow, "ROT16", on)
                 outs.append(run(num_splits=splits).float())
             assert not outs[0].isnan().any()
@@ -408,6 +409,9 @@ def test_query_signs_and_sylvester(dtype, rot16):
     i = torch.arange(d)
     parity = torch.tensor([bin(int(x)).count("1") % 2 for x in (i[:, None] & i[None, :]).flatten()]).view(d, d)
     assert torch.equal(h.cpu(), 1.0 - 2.0 * parity.float())
+    table = narrow.hadamard_table(d, dtype, DEV)
+    assert table.dtype == dtype and torch.equal(table.float().cpu(), h.cpu())
+    assert narrow.hadamard_table(d, dtype, DEV) is table  # built once
 
 
 @pytest.mark.parametrize(("preset", "dtype"), [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.bfloat16),

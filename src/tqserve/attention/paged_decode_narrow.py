@@ -37,6 +37,7 @@ calls `plan` and `launch` here.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -137,8 +138,11 @@ PARK = 0
 PARK_DECODE = 1
 # The in-kernel rotation's Hadamard dots on 16-bit operands (the query's own dtype; +-1 and a 16-bit query
 # are exact either way, the float32 sums round alike): m16n8k16 dots instead of tf32 m16n8k8 ones, half
-# the tensor-core instructions and no float32 operand registers (0: float32 operands, tf32 dots). Not under
-# the interpreter, whose bf16 dots are wrong (triton 3.9: ~1e10 errors), nor in float32 models.
+# the tensor-core instructions and no float32 operand registers (0: float32 operands, tf32 dots), with H
+# loaded from a table (`hadamard_table`); parked rotations only (2: every in-kernel rotation). Not under the
+# interpreter, whose bf16 dots are wrong (triton 3.9: ~1e10 errors), nor in float32 models. H100, this
+# session's first A/B (H built in registers; 1 / 0 / the module before): turboquant_4bit_nc 1 x 128K 0.0796 /
+# 0.0800 / 0.0802 ms; tq3 (held rotation, ROT16 on everywhere then) 32 x 32K 0.4586 / 0.4568 / 0.4569.
 ROT16 = 1
 PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exact_decode_rotation`'s)
 # Undo the value rotation in each program's epilogue (`unrotates_values`): the accumulators of codebook
@@ -336,6 +340,14 @@ def parts(layout, head_dim: int, max_query_len: int) -> int:
     return 2 if exact and not unrotates_values(layout, head_dim, max_query_len) else 1
 
 
+def rotation16(layout, head_dim: int, max_query_len: int, dtype: torch.dtype, dot_f32: bool) -> bool:
+    """Whether an in-kernel rotation takes 16-bit dots with `hadamard_table` (`ROT16`): 16-bit queries,
+    not under the interpreter (whose bf16 dots are wrong) and, unless ROT16 = 2, parked rotations only."""
+    if not ROT16 or dot_f32 or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return ROT16 == 2 or parks_query(layout, head_dim, max_query_len)
+
+
 def parks_query(layout, head_dim: int, max_query_len: int) -> bool:
     """Whether a kernel that rotates the query parks it (`_park_q4`)."""
     return bool(PARK) or park_decode(layout, head_dim, max_query_len)
@@ -440,7 +452,7 @@ def plan(
     key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
     key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
-    key += (unrotates_values(layout, head_dim, max_query_len),)
+    key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -465,6 +477,37 @@ def _sylvester(n: tl.constexpr, dtype: tl.constexpr = tl.float32):
     x = x ^ (x >> 2)
     x = x ^ (x >> 1)
     return ((x << 31) | 0x3F800000).to(tl.float32, bitcast=True).to(dtype)
+
+
+_HADAMARD: dict[tuple, torch.Tensor] = {}
+
+
+def hadamard_table(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Sylvester's [n, n] Hadamard matrix in `dtype` on `device`, built once (the engine's warm-up steps
+    reach it before any graph capture): the 16-bit rotation dots (`ROT16`) load it as their operand."""
+    key = (n, dtype, str(device))
+    if key not in _HADAMARD:
+        i = torch.arange(n)
+        parity = torch.zeros(n, n, dtype=torch.int64)
+        x = i[:, None] & i[None, :]
+        while bool(x.any()):
+            parity ^= x & 1
+            x = x >> 1
+        _HADAMARD[key] = (1 - 2 * parity).to(device=device, dtype=dtype).contiguous()
+    return _HADAMARD[key]
+
+
+@triton.jit
+def _h_operand(h_ptr, n: tl.constexpr, dtype: tl.constexpr, TABLE: tl.constexpr):
+    """H_n for a rotation dot: loaded from `hadamard_table` (TABLE; a vectorized load instead of the parity
+    arithmetic, whose 16-bit elements the compiler stores to shared memory one by one to lay them out
+    as the dot's operand) or built by `_sylvester`."""
+    if TABLE:
+        i = tl.arange(0, n)
+        h = tl.load(h_ptr + i[:, None] * n + i[None, :])
+    else:
+        h = _sylvester(n, dtype)
+    return h
 
 
 @triton.jit
@@ -522,7 +565,17 @@ def _hdot4(h, x0, x1, x2, x3, PREC: tl.constexpr):
 
 @triton.jit
 def _rot_q4(
-    q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr, ROT16: tl.constexpr
+    q_ptr,
+    r_ptr,
+    h_ptr,
+    tok,
+    hq,
+    h_ok,
+    scale,
+    D: tl.constexpr,
+    OUT_T: tl.constexpr,
+    PREC: tl.constexpr,
+    ROT16: tl.constexpr,
 ):
     """The 4 slices of R q for 4 coordinates per word (`_q_cols` of the rotated query, scaled): with
     coordinate i = 4 g + j, H_D = H_{D/4} (over g) x H_4 (over j), so each slice takes one dot with
@@ -535,7 +588,7 @@ def _rot_q4(
     xb0, xb1 = tl.split(x)
     x0, x2 = tl.split(xb0)
     x1, x3 = tl.split(xb1)
-    y0, y1, y2, y3 = _hdot4(_sylvester(D // 4, x.dtype), x0, x1, x2, x3, PREC)
+    y0, y1, y2, y3 = _hdot4(_h_operand(h_ptr, D // 4, x.dtype, ROT16), x0, x1, x2, x3, PREC)
     y0, y1, y2, y3 = _h4(y0, y1, y2, y3)
     return (y0 * scale).to(OUT_T), (y1 * scale).to(OUT_T), (y2 * scale).to(OUT_T), (y3 * scale).to(OUT_T)
 
@@ -563,7 +616,17 @@ def _park_q4(obase, h_ok, q0, q1, q2, q3, D: tl.constexpr):
 
 @triton.jit
 def _rot_q8(
-    q_ptr, r_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr, ROT16: tl.constexpr
+    q_ptr,
+    r_ptr,
+    h_ptr,
+    tok,
+    hq,
+    h_ok,
+    scale,
+    D: tl.constexpr,
+    OUT_T: tl.constexpr,
+    PREC: tl.constexpr,
+    ROT16: tl.constexpr,
 ):
     """`_rot_q4` for 8 coordinates per group (3-bit codes): H_D = H_{D/8} x H_8, a 3-stage butterfly."""
     x = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D, ROT16)
@@ -576,7 +639,7 @@ def _rot_q8(
     x2, x6 = tl.split(xb01)
     x1, x5 = tl.split(xb10)
     x3, x7 = tl.split(xb11)
-    h = _sylvester(D // 8, x.dtype)
+    h = _h_operand(h_ptr, D // 8, x.dtype, ROT16)
     y0, y1, y2, y3 = _hdot4(h, x0, x1, x2, x3, PREC)
     y4, y5, y6, y7 = _hdot4(h, x4, x5, x6, x7, PREC)
     y0, y1, y2, y3, y4, y5, y6, y7 = _h8(y0, y1, y2, y3, y4, y5, y6, y7)
@@ -814,7 +877,7 @@ def _finish_group(obase, lse_row, m_i, l_i, h_ok, D: tl.constexpr, NPART: tl.con
 @triton.jit(do_not_specialize=["stride_ls"])
 def _narrow_decode_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
-    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr, vr_ptr,
+    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr, vr_ptr, h_ptr,
     stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, stride_qxt, stride_knt, stride_vnt,
     split_n, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, N2: tl.constexpr, NX: tl.constexpr,
@@ -876,9 +939,11 @@ def _narrow_decode_kernel(
     # the query coordinates SK g + j, accumulator j the output coordinates SV g + j
     KV: tl.constexpr = D // SV
     if QROT and SK == 8:  # q_ptr: the unrotated query, rotated here (`rotates_query`)
-        q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
+        q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(
+            q_ptr, r_ptr, h_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16
+        )
     elif QROT:
-        q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
+        q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, h_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
         if PARKQ and pk_t.primitive_bitwidth <= out_ptr.dtype.element_ty.primitive_bitwidth:
             q0, q1, q2, q3 = _park_q4(obase, h_ok, q0, q1, q2, q3, D)
     else:
@@ -909,10 +974,10 @@ def _narrow_decode_kernel(
         tok2 = tok_c2[None, :] * stride_qt
         if QROT and SK == 8:
             r0, r1, r2, r3, r4, r5, r6, r7 = _rot_q8(
-                q_ptr, r_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16
+                q_ptr, r_ptr, h_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16
             )  # fmt: skip
         elif QROT:
-            r0, r1, r2, r3 = _rot_q4(q_ptr, r_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
+            r0, r1, r2, r3 = _rot_q4(q_ptr, r_ptr, h_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
         else:
             r0 = _q_cols(q_ptr, tok2, hq2, h_ok2, 0, qk_scale, SK, D, pk_t)
             r1 = _q_cols(q_ptr, tok2, hq2, h_ok2, 1, qk_scale, SK, D, pk_t)
@@ -1149,10 +1214,13 @@ def launch(
     n_cols = cols(meta.max_query_len, hq // hkv)
     n_first, n_second = col_groups(meta.max_query_len, hq // hkv)
     pairs = pair_scalars(layout, n_cols, (ks, vs, vz))
+    htab = None
+    if rot is not None and rotation16(layout, d, meta.max_query_len, q.dtype, dot_f32):
+        htab = hadamard_table(d // slices(layout.key_bits), q.dtype, q.device)
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
-        vrot if vrot is not None else qx,
+        vrot if vrot is not None else qx, htab if htab is not None else qx,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
         qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_first, N2=n_second, NX=n_cols, D=d,
@@ -1168,7 +1236,7 @@ def launch(
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
-        ROT16=bool(ROT16) and not dot_f32,
+        ROT16=htab is not None,
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
