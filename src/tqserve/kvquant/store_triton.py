@@ -66,6 +66,10 @@ HALF_GROUPS = 1
 # spills); LANE_LUT_TWO_4BIT_UB = 1 keeps the table there too
 LANE_LUT = 1
 LANE_LUT_TWO_4BIT_UB = 0
+# The Hadamard tiles' signs applied to K / V as they are loaded (`_load_signed`: an XOR of the sign bit,
+# two bf16 columns per instruction) instead of a float32 multiply per element of the fixed-point tile
+# (`_rot_tile`). sm_90 instructions per program (0 -> 1): ...
+SIGNS_AT_LOAD = 1
 # `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
 # Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
 # of 1.5 * 2^23 less HALFC, $6 NCELL - 1, $7 the cell table, $8 the centroid column (a load) or the
@@ -430,6 +434,23 @@ def _load_tile(x_ptr, xrow, tok_ok, col0, W: tl.constexpr):
 
 
 @triton.jit
+def _load_signed(x_ptr, xrow, tok_ok, col0, sign_ptr, W: tl.constexpr, SIGNED: tl.constexpr):
+    """`_load_tile`, with SIGNED the rotation's signs (fp16 +-1 at sign_ptr, by column) applied at once:
+    16-bit inputs by an XOR of the sign bit, two columns per instruction, float32 ones by a multiply
+    (exact either way). The fixed point and its rounding are symmetric, so signing before them gives
+    the integers that flipping after them gives (`_rot_tile` then skips its multiply)."""
+    x = _load_tile(x_ptr, xrow, tok_ok, col0, W)
+    if SIGNED:
+        s = tl.load(sign_ptr + col0 + tl.arange(0, W))
+        if x.dtype.primitive_bitwidth == 16:
+            bit = (s.to(tl.int16, bitcast=True) >> 15) << 15  # 0 or 0x8000
+            x = (x.to(tl.int16, bitcast=True) ^ bit[None, :]).to(x.dtype, bitcast=True)
+        else:
+            x = x * s.to(x.dtype)[None, :]
+    return x
+
+
+@triton.jit
 def _absmax(x):
     """The rows' largest |x| (exact in the input dtype), float32."""
     return tl.max(tl.abs(x), 1).to(tl.float32)
@@ -458,20 +479,24 @@ def _fixed_point(x, p):
 
 
 @triton.jit
-def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr):
+def _rot_tile(
+    xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr, SIGNED: tl.constexpr = False
+):
     """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (float32, |xi| <= 2^11) at column col0,
     exact: the signs flip xi's columns, and xi and the +-1 of H are exact in fp16, so the tensor-core
     dot sums W <= 64 exact products into a float32 accumulator: every partial sum is an integer of
     at most 2^17, so no order or accumulator width can round it. had_ptr holds the unsigned H_HS
     (fp16, HS x HS), then the head's signs; hw is H_HS, loaded once per program for the tiles of width
     HS (a narrower tile takes the top-left W x W of H_HS, which is H_W in Sylvester order). One matrix
-    for all tiles instead of one sign-folded matrix per tile: H100, 4bit_nc 0.0665 -> 0.0609 ms."""
+    for all tiles instead of one sign-folded matrix per tile: H100, 4bit_nc 0.0665 -> 0.0609 ms. SIGNED: xi
+    carries its signs already (`_load_signed`)."""
     r = tl.arange(0, W)
     if W == HS:
         hm = hw
     else:
         hm = tl.load(had_ptr + r[:, None] * HS + r[None, :])
-    xi = xi * tl.load(had_ptr + HS * HS + col0 + r).to(tl.float32)[None, :]
+    if not SIGNED:
+        xi = xi * tl.load(had_ptr + HS * HS + col0 + r).to(tl.float32)[None, :]
     if NSPLIT == 0:
         # the CPU interpreter: a float32 dot of the same integers (exact there too)
         z = tl.dot(xi, hm.to(tl.float32), input_precision="ieee")
@@ -489,7 +514,7 @@ def _tq_side(
     NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
     NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
     O3: tl.constexpr, W3: tl.constexpr,
-    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
 ):  # fmt: skip
     """TurboQuant side by Hadamard tiles: the first block is G0 tiles of width W (G0 in 1, 2, 4,
     joined by butterflies), then up to NT - G0 more blocks of one tile each (offset Oi, width Wi);
@@ -504,24 +529,25 @@ def _tq_side(
     tiles; each row keeps the gain of the largest cosine (first maximum wins), and its indices are
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
     # same-width tiles are combined elementwise before one row reduction (reductions cross warps)
-    x0 = _load_tile(x_ptr, xrow, tok_ok, 0, W)
+    sgn = had_ptr + W * W  # the head's signs, after H_W
+    x0 = _load_signed(x_ptr, xrow, tok_ok, 0, sgn, W, SIGNS)
     m = tl.abs(x0)
     if G0 > 1:
-        x1 = _load_tile(x_ptr, xrow, tok_ok, W, W)
+        x1 = _load_signed(x_ptr, xrow, tok_ok, W, sgn, W, SIGNS)
         m = tl.maximum(m, tl.abs(x1))
     if G0 > 2:
-        x2 = _load_tile(x_ptr, xrow, tok_ok, 2 * W, W)
-        x3 = _load_tile(x_ptr, xrow, tok_ok, 3 * W, W)
+        x2 = _load_signed(x_ptr, xrow, tok_ok, 2 * W, sgn, W, SIGNS)
+        x3 = _load_signed(x_ptr, xrow, tok_ok, 3 * W, sgn, W, SIGNS)
         m = tl.maximum(m, tl.maximum(tl.abs(x2), tl.abs(x3)))
     amax = tl.max(m, 1).to(tl.float32)
     if NT > G0:
-        xt1 = _load_tile(x_ptr, xrow, tok_ok, O1, W1)
+        xt1 = _load_signed(x_ptr, xrow, tok_ok, O1, sgn, W1, SIGNS)
         amax = tl.maximum(amax, _absmax(xt1))
     if NT > G0 + 1:
-        xt2 = _load_tile(x_ptr, xrow, tok_ok, O2, W2)
+        xt2 = _load_signed(x_ptr, xrow, tok_ok, O2, sgn, W2, SIGNS)
         amax = tl.maximum(amax, _absmax(xt2))
     if NT > G0 + 2:
-        xt3 = _load_tile(x_ptr, xrow, tok_ok, O3, W3)
+        xt3 = _load_signed(x_ptr, xrow, tok_ok, O3, sgn, W3, SIGNS)
         amax = tl.maximum(amax, _absmax(xt3))
     p, rp = _fixed_scale(amax)
     hr = tl.arange(0, W)
@@ -529,31 +555,31 @@ def _tq_side(
     hw = tl.load(had_ptr + hr[:, None] * W + _half_cols(hr, GS)[None, :])
     xf, xi = _fixed_point(x0, p)
     sq = xi * xi
-    z0 = _rot_tile(xf, had_ptr, hw, 0, W, W, NSPLIT)
+    z0 = _rot_tile(xf, had_ptr, hw, 0, W, W, NSPLIT, SIGNS)
     if G0 > 1:
         xf, xi = _fixed_point(x1, p)
         sq += xi * xi
-        z1 = _rot_tile(xf, had_ptr, hw, W, W, W, NSPLIT)
+        z1 = _rot_tile(xf, had_ptr, hw, W, W, W, NSPLIT, SIGNS)
     if G0 > 2:
         xf, xi = _fixed_point(x2, p)
         sq += xi * xi
-        z2 = _rot_tile(xf, had_ptr, hw, 2 * W, W, W, NSPLIT)
+        z2 = _rot_tile(xf, had_ptr, hw, 2 * W, W, W, NSPLIT, SIGNS)
         xf, xi = _fixed_point(x3, p)
         sq += xi * xi
-        z3 = _rot_tile(xf, had_ptr, hw, 3 * W, W, W, NSPLIT)
+        z3 = _rot_tile(xf, had_ptr, hw, 3 * W, W, W, NSPLIT, SIGNS)
     n2 = tl.sum(sq, 1)
     if NT > G0:
         xf, xi = _fixed_point(xt1, p)
         n2 += tl.sum(xi * xi, 1)
-        t1 = _rot_tile(xf, had_ptr, hw, O1, W1, W, NSPLIT)
+        t1 = _rot_tile(xf, had_ptr, hw, O1, W1, W, NSPLIT, SIGNS)
     if NT > G0 + 1:
         xf, xi = _fixed_point(xt2, p)
         n2 += tl.sum(xi * xi, 1)
-        t2 = _rot_tile(xf, had_ptr, hw, O2, W2, W, NSPLIT)
+        t2 = _rot_tile(xf, had_ptr, hw, O2, W2, W, NSPLIT, SIGNS)
     if NT > G0 + 2:
         xf, xi = _fixed_point(xt3, p)
         n2 += tl.sum(xi * xi, 1)
-        t3 = _rot_tile(xf, had_ptr, hw, O3, W3, W, NSPLIT)
+        t3 = _rot_tile(xf, had_ptr, hw, O3, W3, W, NSPLIT, SIGNS)
     n2f = n2.to(tl.float32)  # <= 2^30: exact below 2^24, rounded once above, as the reference
     n = tl.sqrt_rn(n2f) * rp  # ||x||: sqrt(n2) scaled by a power of two, exactly
     # the first block's butterflied tiles za.. (columns 0, W, 2W, 3W), integers; y = za * f0, and so on
@@ -673,14 +699,14 @@ def _store_side(
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
-    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
 ):  # fmt: skip
     t = t0 + tl.arange(0, BT)
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
         _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
                  BITS, SCALE_MODE, GS, NCELL, HALFC, CS, LUT, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
-                 O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
+                 O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
     else:
         d = tl.arange(0, DP)
         dmask = d < D
@@ -768,7 +794,7 @@ def _store_kv_kernel(
     SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
-    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
@@ -780,10 +806,10 @@ def _store_kv_kernel(
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                 had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, SEARCH, NGAIN,
-                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
+                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                 had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, SEARCH, NGAIN,
-                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3)  # fmt: skip
+                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
 
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
@@ -1072,5 +1098,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        SIGNS=bool(SIGNS_AT_LOAD), num_warps=warps, **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
