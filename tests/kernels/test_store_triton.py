@@ -8,6 +8,7 @@ import torch
 from paged_cases import backend_step_errors
 from triton_env import DEV, INTERP, triton_kernels
 
+from tqserve.kvquant import store_triton
 from tqserve.kvquant.packing import unpack_bits
 from tqserve.kvquant.presets import make_layer_format
 from tqserve.kvquant.store_triton import MINMAX, TQ, TQ_DENSE, StorePlan, store_kv
@@ -207,6 +208,31 @@ def test_store_tq_bit_identical_dense_gpu(preset, d):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_store_tq_bit_identical_gpu(preset, d, dtype):
     _bit_identical_case(preset, d, dtype, 20000, seed=d)
+
+
+@pytest.mark.parametrize(
+    "preset,dtype", [("tq3", torch.bfloat16), ("turboquant_3bit_nc", torch.float16), ("tq_k4v4_ub", torch.float32)]
+)
+def test_store_signs_at_load_everywhere(preset, dtype, monkeypatch):
+    """The rotation's signs applied at the load (`SIGNS_AT_LOAD = 2`: every tiled side, not only the tuned
+    4bit_nc launch): the same page bits as the reference, for 16-bit inputs (a sign-bit XOR) and float32
+    ones (a multiply)."""
+    monkeypatch.setattr(store_triton, "SIGNS_AT_LOAD", 2)
+    _bit_identical_case(preset, 64, dtype, 40, seed=11)
+
+
+def test_signs_at_load_rule(monkeypatch):
+    """By default only one TurboQuant side in the 16 x 2 launch (turboquant_4bit_nc) takes the signs at the
+    load; 2 turns it on for every tiled side, 0 off."""
+    plans = {
+        p: StorePlan(make_layer_format(p, 1, 8, 128, torch.bfloat16), "cpu")
+        for p in ("turboquant_4bit_nc", "turboquant_3bit_nc", "tq3", "tq4", "tq_k4v4_ub")
+    }
+    assert [p for p, plan in plans.items() if store_triton.signs_at_load(plan)] == ["turboquant_4bit_nc"]
+    monkeypatch.setattr(store_triton, "SIGNS_AT_LOAD", 2)
+    assert all(store_triton.signs_at_load(plan) for plan in plans.values())
+    monkeypatch.setattr(store_triton, "SIGNS_AT_LOAD", 0)
+    assert not any(store_triton.signs_at_load(plan) for plan in plans.values())
 
 
 @pytest.mark.parametrize("preset", ["tq4s", "tq3s"])

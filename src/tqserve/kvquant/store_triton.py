@@ -66,9 +66,13 @@ HALF_GROUPS = 1
 # spills); LANE_LUT_TWO_4BIT_UB = 1 keeps the table there too
 LANE_LUT = 1
 LANE_LUT_TWO_4BIT_UB = 0
-# The Hadamard tiles' signs applied to K / V as they are loaded (`_load_signed`: an XOR of the sign bit,
-# two bf16 columns per instruction) instead of a float32 multiply per element of the fixed-point tile
-# (`_rot_tile`). sm_90 instructions per program (0 -> 1): ...
+# The Hadamard tiles' signs applied to K / V as they are loaded (`_load_signed`: an XOR of the sign bit)
+# instead of a float32 multiply per element of the fixed-point tile (`_rot_tile`), for one TurboQuant side
+# in the 16 x 2 launch (`signs_at_load`; 2: every tiled side). sm_90 instructions per program (off -> on):
+# 4bit_nc 2,032 -> 1,984, 3bit_nc 2,072 -> 2,032, tq3 2,400 -> 2,272 (but 96 -> 128 registers), tq4 2,848 ->
+# 2,776, tq_k4v4_ub 2,488 -> 2,352 (80 -> 96 registers). H100, twenty-fifth session, store_bench --flush
+# --slots pages, 16K tokens, two rounds, % of copy (off / on): 4bit_nc 55.4 / 56.7 and 54.9 / 56.7; slower
+# elsewhere: 3bit_nc 50.5 / 46.7, tq3 42.0 / 39.9, tq_k4v4_ub 42.5 / 42.1, k3v4_nc 51.0 / 50.7, tq4 alike.
 SIGNS_AT_LOAD = 1
 # `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
 # Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
@@ -1044,6 +1048,14 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     return 16, 4, None
 
 
+def signs_at_load(plan: StorePlan) -> bool:
+    """Whether the store applies the rotation's signs at the load (`SIGNS_AT_LOAD`): one TurboQuant side
+    whose codes do not cross words, in the tuned 16 x 2 launch (the other launches ran slower with it)."""
+    if SIGNS_AT_LOAD == 2:
+        return plan.tiles is not None
+    return bool(SIGNS_AT_LOAD) and plan.tiles is not None and _launch_shape(plan) == (16, 2, 80)
+
+
 def store_kv(
     pages: dict[str, torch.Tensor],
     plan: StorePlan,
@@ -1098,5 +1110,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=bool(SIGNS_AT_LOAD), num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        SIGNS=signs_at_load(plan), num_warps=warps, **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
