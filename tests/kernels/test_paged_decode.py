@@ -361,11 +361,12 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
+@pytest.mark.gpu  # the interpreter keeps float32 dots: both settings would run the same kernel there
 @pytest.mark.parametrize(("preset", "dtype"), [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.float16)])
 def test_narrow_rotation_dots_16bit(preset, dtype, narrow_spy, monkeypatch):
     """The in-kernel rotation's Hadamard dots on the query's 16-bit operands with H from `hadamard_table`
-    (`ROT16`, the GPU's default for parked rotations, here for every one; the interpreter keeps float32
-    dots) against tf32 ones on H built in registers: the products are exact either way, so the outputs
+    (`ROT16`, the GPU's default for parked rotations, here for every one) against tf32 ones on H built in
+    registers: the products are exact either way, so the outputs
     agree to the float32 sums' rounding, decode and verify, split or not."""
     monkeypatch.setattr(narrow, "QROT", 1)
     for run in _steps(preset, 128, seed=23, dtype=dtype):

@@ -565,18 +565,9 @@ def _hdot4(h, x0, x1, x2, x3, PREC: tl.constexpr):
 
 @triton.jit
 def _rot_q4(
-    q_ptr,
-    r_ptr,
-    h_ptr,
-    tok,
-    hq,
-    h_ok,
-    scale,
-    D: tl.constexpr,
-    OUT_T: tl.constexpr,
-    PREC: tl.constexpr,
+    q_ptr, r_ptr, h_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr,
     ROT16: tl.constexpr,
-):
+):  # fmt: skip
     """The 4 slices of R q for 4 coordinates per word (`_q_cols` of the rotated query, scaled): with
     coordinate i = 4 g + j, H_D = H_{D/4} (over g) x H_4 (over j), so each slice takes one dot with
     H_{D/4} and the 4 are mixed by a 2-stage butterfly. The dots' products are exact (+-1 times a 16-bit
@@ -616,18 +607,9 @@ def _park_q4(obase, h_ok, q0, q1, q2, q3, D: tl.constexpr):
 
 @triton.jit
 def _rot_q8(
-    q_ptr,
-    r_ptr,
-    h_ptr,
-    tok,
-    hq,
-    h_ok,
-    scale,
-    D: tl.constexpr,
-    OUT_T: tl.constexpr,
-    PREC: tl.constexpr,
+    q_ptr, r_ptr, h_ptr, tok, hq, h_ok, scale, D: tl.constexpr, OUT_T: tl.constexpr, PREC: tl.constexpr,
     ROT16: tl.constexpr,
-):
+):  # fmt: skip
     """`_rot_q4` for 8 coordinates per group (3-bit codes): H_D = H_{D/8} x H_8, a 3-stage butterfly."""
     x = _q_signed(q_ptr, r_ptr, tok, hq, h_ok, D, ROT16)
     N: tl.constexpr = x.shape[1]
