@@ -140,9 +140,10 @@ PARK_DECODE = 1
 # are exact either way, the float32 sums round alike): m16n8k16 dots instead of tf32 m16n8k8 ones, half
 # the tensor-core instructions and no float32 operand registers (0: float32 operands, tf32 dots), with H
 # loaded from a table (`hadamard_table`); parked rotations only (2: every in-kernel rotation). Not under the
-# interpreter, whose bf16 dots are wrong (triton 3.9: ~1e10 errors), nor in float32 models. H100, this
-# session's first A/B (H built in registers; 1 / 0 / the module before): turboquant_4bit_nc 1 x 128K 0.0796 /
-# 0.0800 / 0.0802 ms; tq3 (held rotation, ROT16 on everywhere then) 32 x 32K 0.4586 / 0.4568 / 0.4569.
+# interpreter, whose bf16 dots are wrong (triton 3.9: ~1e10 errors), nor in float32 models. H100, twenty-fifth
+# session, CUDA-graph replays, medians of 3 rounds (on / 0 / the module before this session's prologue cuts):
+# H built in registers, 4bit_nc 1 x 128K 0.0796 / 0.0800 / 0.0802 ms; H from the table, 0.0803 / 0.0804 /
+# 0.0804 (another card; within noise); tq3's held rotation at ROT16 = 2: 32 x 32K 0.4629 against 0.4562.
 ROT16 = 1
 PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exact_decode_rotation`'s)
 # Undo the value rotation in each program's epilogue (`unrotates_values`): the accumulators of codebook
