@@ -17,6 +17,7 @@ PYTHONPATH=src:tests python benchmarks/decode_ab.py --no-checks --no-general --r
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -145,8 +146,6 @@ def main() -> None:
     ap.add_argument("--old", action="append", default=[], help="label=path of another paged_decode_narrow.py")
     args = ap.parse_args()
     for spec in args.old:
-        import importlib.util
-
         label, path = spec.split("=", 1)
         mspec = importlib.util.spec_from_file_location(f"tqserve.attention.paged_decode_narrow_{label}", path)
         MODULES[label] = importlib.util.module_from_spec(mspec)

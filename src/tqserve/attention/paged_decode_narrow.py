@@ -494,13 +494,9 @@ def hadamard_table(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     reach it before any graph capture): the 16-bit rotation dots (`ROT16`) load it as their operand."""
     key = (n, dtype, str(device))
     if key not in _HADAMARD:
-        i = torch.arange(n)
-        parity = torch.zeros(n, n, dtype=torch.int64)
-        x = i[:, None] & i[None, :]
-        while bool(x.any()):
-            parity ^= x & 1
-            x = x >> 1
-        _HADAMARD[key] = (1 - 2 * parity).to(device=device, dtype=dtype).contiguous()
+        from tqserve.kvquant.rotation import fwht
+
+        _HADAMARD[key] = fwht(torch.eye(n)).to(device=device, dtype=dtype).contiguous()
     return _HADAMARD[key]
 
 
