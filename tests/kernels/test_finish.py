@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tqserve.attention import finish
 from tqserve.attention.finish import combine_splits, finish_parts
 
 pytestmark = pytest.mark.skipif(
@@ -77,13 +78,18 @@ def test_finish_parts_matches_torch(splits, npart, rotated, d, dtype):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-def test_combine_splits_many_columns_per_row():
-    """Hundreds of splits: the row's columns spread over programs, every column written."""
+@pytest.mark.parametrize("part_first", [0, 1])
+def test_combine_splits_many_columns_per_row(monkeypatch, part_first):
+    """Hundreds of splits: the row's columns spread over programs, every column written; the partials
+    loaded before or after the weights (`COMBINE_PART_FIRST`), a split without keys ignored either way."""
+    monkeypatch.setattr(finish, "COMBINE_PART_FIRST", part_first)
     dev = _device()
     gen = torch.Generator().manual_seed(3)
     splits, T, hq, w = 300, 2, 2, 256
     part = torch.randn(splits, T, hq, w, generator=gen).to(dev)
     lse = torch.randn(splits, T, hq, generator=gen).to(dev)
+    lse[7, 1, 0] = float("-inf")
+    part[7, 1, 0] = float("nan")
     red = torch.full((T, hq, w), float("nan"), device=dev)
     combine_splits(part, lse, red, splits, T, hq, w)
     want = _want(part.cpu(), lse.cpu(), splits, 1, None, T, w)

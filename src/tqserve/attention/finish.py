@@ -33,6 +33,9 @@ from tqserve.attention.tuning import MAX_SPLITS, NARROW_MAX_SPLITS
 COMBINE_TILE = 4096
 COMBINE_WARPS = 4
 COMBINE_MIN_W = 16
+# Issue the partials' load before the log-sum-exps' reduction (1), so that the two L2 round trips of a
+# combine program overlap instead of following each other (0: the load after the weights)
+COMBINE_PART_FIRST = 1
 # Rows x output columns of one `_finish_kernel` program (tl.dot needs 16 of each).
 FINISH_ROWS = 16
 FINISH_COLS = 64
@@ -42,7 +45,7 @@ FINISH_K = 64  # rotation rows per dot
 @triton.jit(do_not_specialize=["n_splits", "stride_ls"])  # split count, tokens x heads
 def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, n_splits, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
-    W: tl.constexpr, BW: tl.constexpr, SP: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, SP: tl.constexpr, PART_FIRST: tl.constexpr,
 ):  # fmt: skip
     """Columns [c0, c0 + BW) of one (token, query head): the splits' partials weighted by
     exp2(lse - max) and divided by their sum (base-2 log-sum-exps, as the kernels write them)."""
@@ -50,14 +53,16 @@ def _split_reduce_kernel(
     h = tl.program_id(1)
     s = tl.arange(0, SP)
     smask = s < n_splits
+    c = tl.program_id(2) * BW + tl.arange(0, BW)
+    cm = c < W
+    part = part_ptr + s[:, None] * stride_ps + t * stride_pt + h * W + c[None, :]
+    if PART_FIRST:
+        o = tl.load(part, mask=smask[:, None] & cm[None, :])
     lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
-    c = tl.program_id(2) * BW + tl.arange(0, BW)
-    cm = c < W
-    o = tl.load(
-        part_ptr + s[:, None] * stride_ps + t * stride_pt + h * W + c[None, :], mask=smask[:, None] & cm[None, :]
-    )
+    if not PART_FIRST:
+        o = tl.load(part, mask=smask[:, None] & cm[None, :])
     o = tl.where(w[:, None] > 0.0, o, 0.0)  # a split with no keys may have written anything
     res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * W + c, res.to(out_ptr.dtype.element_ty), mask=cm)
@@ -103,7 +108,7 @@ def combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int
     bw = combine_width(splits, w)
     _split_reduce_kernel[(num_tokens, hq, triton.cdiv(w, bw))](
         part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),
-        W=w, BW=bw, SP=triton.next_power_of_2(splits), num_warps=COMBINE_WARPS,
+        W=w, BW=bw, SP=triton.next_power_of_2(splits), PART_FIRST=COMBINE_PART_FIRST, num_warps=COMBINE_WARPS,
     )  # fmt: skip
 
 
