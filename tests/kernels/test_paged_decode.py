@@ -361,23 +361,6 @@ def test_narrow_rotates_query_in_kernel(preset, d, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 4
 
 
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "tq_k4v4_ub", "turboquant_3bit_nc"])
-def test_narrow_peeled_tail_equals_masked_loop(preset, narrow_spy, monkeypatch):
-    """Each split's last, partial key tile peeled off the loop (`PEEL`: whole tiles without key masks,
-    then the tail masked) gives the masked loop's outputs bit for bit: decode and verify, one split and
-    several, pages poisoned with NaN past every request's keys (a tile read without its mask would
-    carry them in)."""
-    for run in _steps(preset, 128, seed=29, nan_pages=True):
-        for splits in (None, 1, 3):
-            outs = []
-            for on in (1, 0):
-                monkeypatch.setattr(narrow, "PEEL", on)
-                outs.append(run(num_splits=splits))
-            assert not outs[0].isnan().any()
-            assert torch.equal(outs[0], outs[1])
-    assert len(narrow_spy) == 12
-
-
 @pytest.mark.gpu  # the interpreter keeps float32 dots: both settings would run the same kernel there
 @pytest.mark.parametrize(("preset", "dtype"), [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.float16)])
 def test_narrow_rotation_dots_16bit(preset, dtype, narrow_spy, monkeypatch):

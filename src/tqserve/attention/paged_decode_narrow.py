@@ -145,12 +145,6 @@ PARK_DECODE = 1
 # H built in registers, 4bit_nc 1 x 128K 0.0796 / 0.0800 / 0.0802 ms; H from the table, 0.0803 / 0.0804 /
 # 0.0804 (another card; within noise); tq3's held rotation at ROT16 = 2: 32 x 32K 0.4629 against 0.4562.
 ROT16 = 1
-# Peel each split's last, partial key tile off its loop (`PEEL`): the whole tiles then run without key masks
-# (compares, selects, predicated copies), known true at compile time, and the tail tile (at most one per
-# split) takes them in a loop of its own. sm_90 key-loop instructions with the masks folded away (offline,
-# twenty-fifth session): 4bit_nc decode 888 -> 830 per 32-key tile, tq3 decode 1,888 -> 1,819 per 64, tq3
-# verify 1,393 -> 1,373 per 32. Off: not yet timed or tested on a GPU (interpreter tests only).
-PEEL = 0
 PARK_PREFETCH = 0  # PARK_DECODE steps also prefetch their first pages (as `exact_decode_rotation`'s)
 # Undo the value rotation in each program's epilogue (`unrotates_values`): the accumulators of codebook
 # values are in the rotated space, and R^T = diag(s) H / sqrt(d) is applied to them before the split's
@@ -459,7 +453,7 @@ def plan(
     key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
     key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
-    key += (unrotates_values(layout, head_dim, max_query_len), ROT16, PEEL)
+    key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -874,7 +868,7 @@ def _narrow_decode_kernel(
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
-    VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, PEEL: tl.constexpr,
+    VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -986,152 +980,137 @@ def _narrow_decode_kernel(
             b7 = tl.zeros([KV, N2], dtype=tl.float32)
         vsum2 = tl.zeros([N2], dtype=tl.float32)
     bt_row = bt_ptr + req * stride_bt
-    # PEEL: the split's whole key tiles first, with key masks known true at compile time, then its last,
-    # partial tile (at most one), masked; otherwise one loop with masks throughout
-    hi_full = lo + (tl.maximum(hi - lo, 0) // BLOCK_N) * BLOCK_N
-    for phase in tl.static_range(2 if PEEL else 1):
-        if PEEL and phase == 0:
-            n_stop = hi_full
-        else:
-            n_stop = hi
-        if PEEL and phase == 1:
-            n_start = hi_full
-        else:
-            n_start = lo
-        for n0 in tl.range(n_start, n_stop, BLOCK_N, num_stages=1 if PEEL and phase == 1 else None):
-            n = n0 + tl.arange(0, BLOCK_N)
-            if PEEL and phase == 0:
-                nmask = tl.full([BLOCK_N], 1, tl.int1)
-            else:
-                nmask = n < hi
-            tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
-            kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW)  # [keys, words]
-            vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
-            ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
-            vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
-            # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
-            k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t)
-            s = tl.dot(k, q0, input_precision=PREC)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW)  # [keys, words]
+        vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
+        ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
+        vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
+        # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
+        k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t)
+        s = tl.dot(k, q0, input_precision=PREC)
+        if N2 > 0:
+            s2 = tl.dot(k, r0, input_precision=PREC)
+        k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t)
+        s = tl.dot(k, q1, s, input_precision=PREC)
+        if N2 > 0:
+            s2 = tl.dot(k, r1, s2, input_precision=PREC)
+        k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t)
+        s = tl.dot(k, q2, s, input_precision=PREC)
+        if N2 > 0:
+            s2 = tl.dot(k, r2, s2, input_precision=PREC)
+        k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t)
+        s = tl.dot(k, q3, s, input_precision=PREC)
+        if N2 > 0:
+            s2 = tl.dot(k, r3, s2, input_precision=PREC)
+        if SK == 8:
+            k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q4, s, input_precision=PREC)
             if N2 > 0:
-                s2 = tl.dot(k, r0, input_precision=PREC)
-            k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t)
-            s = tl.dot(k, q1, s, input_precision=PREC)
+                s2 = tl.dot(k, r4, s2, input_precision=PREC)
+            k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q5, s, input_precision=PREC)
             if N2 > 0:
-                s2 = tl.dot(k, r1, s2, input_precision=PREC)
-            k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t)
-            s = tl.dot(k, q2, s, input_precision=PREC)
+                s2 = tl.dot(k, r5, s2, input_precision=PREC)
+            k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q6, s, input_precision=PREC)
             if N2 > 0:
-                s2 = tl.dot(k, r2, s2, input_precision=PREC)
-            k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t)
-            s = tl.dot(k, q3, s, input_precision=PREC)
+                s2 = tl.dot(k, r6, s2, input_precision=PREC)
+            k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q7, s, input_precision=PREC)
             if N2 > 0:
-                s2 = tl.dot(k, r3, s2, input_precision=PREC)
-            if SK == 8:
-                k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t)
-                s = tl.dot(k, q4, s, input_precision=PREC)
-                if N2 > 0:
-                    s2 = tl.dot(k, r4, s2, input_precision=PREC)
-                k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM0, pk_t)
-                s = tl.dot(k, q5, s, input_precision=PREC)
-                if N2 > 0:
-                    s2 = tl.dot(k, r5, s2, input_precision=PREC)
-                k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM0, pk_t)
-                s = tl.dot(k, q6, s, input_precision=PREC)
-                if N2 > 0:
-                    s2 = tl.dot(k, r6, s2, input_precision=PREC)
-                k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM0, pk_t)
-                s = tl.dot(k, q7, s, input_precision=PREC)
-                if N2 > 0:
-                    s2 = tl.dot(k, r7, s2, input_precision=PREC)
-            s = _mask_scores(s, n, nmask, qpos, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
-            if LAZY_TAU > 0:
-                # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
-                # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
-                m_tile = tl.max(s, 0)
-                if tl.max(m_tile - m_i, 0) > LAZY_TAU:
-                    m_new = tl.maximum(m_i, m_tile)
-                    alpha = tl.exp2(m_i - m_new)
-                    l_i = l_i * alpha
-                    vsum = vsum * alpha
-                    a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
-                    if SV == 8:
-                        a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
-                    m_i = m_new
-                p = tl.exp2(s - m_i[None, :])
-                l_i = l_i + tl.sum(p, 0)
-                if VAL_MODE == 2:
-                    vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
-                    vsum = vsum + tl.sum(p * vze[:, None], 0)
-            else:
-                m_new = tl.maximum(m_i, tl.max(s, 0))
+                s2 = tl.dot(k, r7, s2, input_precision=PREC)
+        s = _mask_scores(s, n, nmask, qpos, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
+        if LAZY_TAU > 0:
+            # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
+            # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
+            m_tile = tl.max(s, 0)
+            if tl.max(m_tile - m_i, 0) > LAZY_TAU:
+                m_new = tl.maximum(m_i, m_tile)
                 alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p, 0)
-                m_i = m_new
-                if VAL_MODE == 2:
-                    vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
-                    vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
+                l_i = l_i * alpha
+                vsum = vsum * alpha
                 a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
                 if SV == 8:
                     a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
-            pv = (p * vsc[:, None]).to(pk_t)
-            if N2 > 0:
-                s2 = _mask_scores(s2, n, nmask, qpos2, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
-                m_tile2 = tl.max(s2, 0)
-                m_new2 = tl.maximum(m_i2, m_tile2)
-                if LAZY_TAU > 0:  # (vze: the first group's min-max terms of this tile)
-                    grow2 = tl.max(m_tile2 - m_i2, 0) > LAZY_TAU
-                    m_new2 = tl.where(grow2, m_new2, m_i2)
-                alpha2 = tl.exp2(m_i2 - m_new2)  # 1 where a lazy group keeps its maximum
-                p2 = tl.exp2(s2 - m_new2[None, :])
-                l_i2 = l_i2 * alpha2 + tl.sum(p2, 0)
-                if VAL_MODE == 2:
-                    vsum2 = vsum2 * alpha2 + tl.sum(p2 * vze[:, None], 0)
-                m_i2 = m_new2
-                if LAZY_TAU > 0:
-                    if grow2:
-                        b0, b1, b2, b3 = _scale4(b0, b1, b2, b3, alpha2)
-                        if SV == 8:
-                            b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
-                else:
+                m_i = m_new
+            p = tl.exp2(s - m_i[None, :])
+            l_i = l_i + tl.sum(p, 0)
+            if VAL_MODE == 2:
+                vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
+                vsum = vsum + tl.sum(p * vze[:, None], 0)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+            if VAL_MODE == 2:
+                vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
+                vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
+            a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
+            if SV == 8:
+                a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
+        pv = (p * vsc[:, None]).to(pk_t)
+        if N2 > 0:
+            s2 = _mask_scores(s2, n, nmask, qpos2, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
+            m_tile2 = tl.max(s2, 0)
+            m_new2 = tl.maximum(m_i2, m_tile2)
+            if LAZY_TAU > 0:  # (vze: the first group's min-max terms of this tile)
+                grow2 = tl.max(m_tile2 - m_i2, 0) > LAZY_TAU
+                m_new2 = tl.where(grow2, m_new2, m_i2)
+            alpha2 = tl.exp2(m_i2 - m_new2)  # 1 where a lazy group keeps its maximum
+            p2 = tl.exp2(s2 - m_new2[None, :])
+            l_i2 = l_i2 * alpha2 + tl.sum(p2, 0)
+            if VAL_MODE == 2:
+                vsum2 = vsum2 * alpha2 + tl.sum(p2 * vze[:, None], 0)
+            m_i2 = m_new2
+            if LAZY_TAU > 0:
+                if grow2:
                     b0, b1, b2, b3 = _scale4(b0, b1, b2, b3, alpha2)
                     if SV == 8:
                         b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
-                pv2 = (p2 * vsc[:, None]).to(pk_t)
-            # each decoded value slice serves both column groups
-            v = _value_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-            a0 = tl.dot(v, pv, a0, input_precision=PREC)
+            else:
+                b0, b1, b2, b3 = _scale4(b0, b1, b2, b3, alpha2)
+                if SV == 8:
+                    b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
+            pv2 = (p2 * vsc[:, None]).to(pk_t)
+        # each decoded value slice serves both column groups
+        v = _value_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+        a0 = tl.dot(v, pv, a0, input_precision=PREC)
+        if N2 > 0:
+            b0 = tl.dot(v, pv2, b0, input_precision=PREC)
+        v = _value_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, VB8)
+        a1 = tl.dot(v, pv, a1, input_precision=PREC)
+        if N2 > 0:
+            b1 = tl.dot(v, pv2, b1, input_precision=PREC)
+        v = _value_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, VB8)
+        a2 = tl.dot(v, pv, a2, input_precision=PREC)
+        if N2 > 0:
+            b2 = tl.dot(v, pv2, b2, input_precision=PREC)
+        v = _value_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, VB8)
+        a3 = tl.dot(v, pv, a3, input_precision=PREC)
+        if N2 > 0:
+            b3 = tl.dot(v, pv2, b3, input_precision=PREC)
+        if SV == 8:
+            v = _value_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+            a4 = tl.dot(v, pv, a4, input_precision=PREC)
             if N2 > 0:
-                b0 = tl.dot(v, pv2, b0, input_precision=PREC)
-            v = _value_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, VB8)
-            a1 = tl.dot(v, pv, a1, input_precision=PREC)
+                b4 = tl.dot(v, pv2, b4, input_precision=PREC)
+            v = _value_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+            a5 = tl.dot(v, pv, a5, input_precision=PREC)
             if N2 > 0:
-                b1 = tl.dot(v, pv2, b1, input_precision=PREC)
-            v = _value_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, VB8)
-            a2 = tl.dot(v, pv, a2, input_precision=PREC)
+                b5 = tl.dot(v, pv2, b5, input_precision=PREC)
+            v = _value_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+            a6 = tl.dot(v, pv, a6, input_precision=PREC)
             if N2 > 0:
-                b2 = tl.dot(v, pv2, b2, input_precision=PREC)
-            v = _value_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, VB8)
-            a3 = tl.dot(v, pv, a3, input_precision=PREC)
+                b6 = tl.dot(v, pv2, b6, input_precision=PREC)
+            v = _value_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+            a7 = tl.dot(v, pv, a7, input_precision=PREC)
             if N2 > 0:
-                b3 = tl.dot(v, pv2, b3, input_precision=PREC)
-            if SV == 8:
-                v = _value_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-                a4 = tl.dot(v, pv, a4, input_precision=PREC)
-                if N2 > 0:
-                    b4 = tl.dot(v, pv2, b4, input_precision=PREC)
-                v = _value_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-                a5 = tl.dot(v, pv, a5, input_precision=PREC)
-                if N2 > 0:
-                    b5 = tl.dot(v, pv2, b5, input_precision=PREC)
-                v = _value_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-                a6 = tl.dot(v, pv, a6, input_precision=PREC)
-                if N2 > 0:
-                    b6 = tl.dot(v, pv2, b6, input_precision=PREC)
-                v = _value_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-                a7 = tl.dot(v, pv, a7, input_precision=PREC)
-                if N2 > 0:
-                    b7 = tl.dot(v, pv2, b7, input_precision=PREC)
+                b7 = tl.dot(v, pv2, b7, input_precision=PREC)
 
     if VROT:  # codebook values: out of the rotated space before the split's partial is written
         if SV == 8:
@@ -1236,7 +1215,7 @@ def launch(
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
-        ROT16=htab is not None, PEEL=bool(PEEL),
+        ROT16=htab is not None,
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
