@@ -221,6 +221,44 @@ def test_store_signs_at_load_everywhere(preset, dtype, monkeypatch):
     _bit_identical_case(preset, 64, dtype, 40, seed=11)
 
 
+@pytest.mark.parametrize("sign_xor", [0, 1])
+@pytest.mark.parametrize(
+    "preset,dtype", [("tq3", torch.bfloat16), ("tq4", torch.float16), ("tq_k4v4_ub", torch.float32)]
+)
+def test_store_sign_xor(preset, dtype, sign_xor, monkeypatch):
+    """The rotation's signs flipped on the fixed-point tile's fp16 copy by a sign-bit XOR (`SIGN_XOR`) or
+    by the float32 multiply: the same page bits as the reference either way."""
+    monkeypatch.setattr(store_triton, "SIGN_XOR", sign_xor)
+    plan = StorePlan(make_layer_format(preset, 1, 2, 64, dtype), "cpu")
+    assert store_triton.sign_mode(plan) == 2 * sign_xor
+    _bit_identical_case(preset, 64, dtype, 40, seed=13)
+
+
+def test_compare_ptx_boundaries():
+    """The 2-bit sides' compare block holds each boundary's exact float32 bits, in order, one subtraction
+    each; the tables of 2-bit sides carry it, wider ones do not."""
+    from tqserve.kvquant.reference import tq_codebook
+
+    _, bnd = tq_codebook(2, 128)
+    ptx = store_triton.compare_ptx(bnd)
+    subs = [line for line in ptx.splitlines() if line.startswith("sub.rn.f32")]
+    want = [f"0f{int(b) & 0xFFFFFFFF:08X}" for b in bnd.float().view(torch.int32).tolist()]
+    assert [line.split()[2].rstrip(",") for line in subs] == want
+    for preset, cmp_sides in (("tq3", [False, True]), ("tq_k2v4_nc", [True, False]), ("tq4", [False, False])):
+        plan = StorePlan(make_layer_format(preset, 1, 2, 128, torch.bfloat16), "cpu")
+        assert [bool(side[5][5]) for side in plan.sides] == cmp_sides, preset
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cmp", [0, 1])
+@pytest.mark.parametrize("preset", ["tq3", "tq_k2v4_nc", "tq_k4v2_ub"])
+def test_store_compare_lookup_gpu(preset, cmp, monkeypatch):
+    """2-bit sides by compares (`CMP_2BIT`) or by the cell table: the reference's page bits either way
+    (zero rows included: y = 0 lies above the middle boundary, -4.9e-18)."""
+    monkeypatch.setattr(store_triton, "CMP_2BIT", cmp)
+    _bit_identical_case(preset, 128, torch.bfloat16, 20000, seed=17)
+
+
 def test_signs_at_load_rule(monkeypatch):
     """By default only one TurboQuant side in the 16 x 2 launch (turboquant_4bit_nc) takes the signs at the
     load; 2 turns it on for every tiled side, 0 off."""

@@ -66,6 +66,10 @@ HALF_GROUPS = 1
 # spills); LANE_LUT_TWO_4BIT_UB = 1 keeps the table there too
 LANE_LUT = 1
 LANE_LUT_TWO_4BIT_UB = 0
+# 2-bit sides (three boundaries) count the boundaries below y by three compares with immediates and one
+# three-way add (`compare_ptx`), where the cell lookup takes an fma, a clamp, an address (two instructions),
+# an 8-byte load and a compare; the centroid still comes by the lane table's shuffle
+CMP_2BIT = 1
 # The Hadamard tiles' signs applied to K / V as they are loaded (`_load_signed`: an XOR of the sign bit)
 # instead of a float32 multiply per element of the fixed-point tile (`_rot_tile`), for one TurboQuant side
 # in the 16 x 2 launch (`signs_at_load`; 2: every tiled side). sm_90 instructions per program (off -> on):
@@ -74,6 +78,10 @@ LANE_LUT_TWO_4BIT_UB = 0
 # --slots pages, 16K tokens, two rounds, % of copy (off / on): 4bit_nc 55.4 / 56.7 and 54.9 / 56.7; slower
 # elsewhere: 3bit_nc 50.5 / 46.7, tq3 42.0 / 39.9, tq_k4v4_ub 42.5 / 42.1, k3v4_nc 51.0 / 50.7, tq4 alike.
 SIGNS_AT_LOAD = 1
+# Elsewhere the signs flip the fixed-point tile's fp16 copy, the dot's operand, by an XOR of its sign bits
+# (`_rot_tile`, SIGNS = 2: two columns per 32-bit instruction where the float32 multiply took a conversion
+# of the sign and a multiply per element); 0: the multiply
+SIGN_XOR = 1
 # `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
 # Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
 # of 1.5 * 2^23 less HALFC, $6 NCELL - 1, $7 the cell table, $8 the centroid column (a load) or the
@@ -262,7 +270,10 @@ def _pack_tile(
 
 
 @triton.jit
-def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALED: tl.constexpr, LUT: tl.constexpr):
+def _tq_lookup(
+    y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALED: tl.constexpr, LUT: tl.constexpr,
+    CMP: tl.constexpr = "",
+):  # fmt: skip
     """(#{boundaries < y}, its centroid) per element of rotated coordinates y, by one table lookup.
 
     a * b is y * CS (cells per unit of y) to within a few float ulps (z * (f * CS) will do): its
@@ -285,7 +296,8 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALE
     steps in Triton.
 
     LUT (GPU, the scaled centroids only): `lane_table_ptx`'s lane table, from which the centroid is
-    taken by a warp shuffle instead of the second load."""
+    taken by a warp shuffle instead of the second load. CMP (GPU, with LUT): `compare_ptx`'s block, which
+    counts the boundaries below y by compares instead of the cell table."""
     b = tl.zeros_like(y) + b  # a column or a scalar: the asm takes whole tiles
     if _ASM:
         z32 = tl.zeros(y.shape, dtype=tl.int32)
@@ -295,6 +307,11 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALE
         if LUT != "":
             # the lane's table entry: one pure op of constant operands in every element and call (computed once)
             tb = tl.inline_asm_elementwise(LUT, "=r,r", [z32], dtype=tl.int32, is_pure=True, pack=1)
+        if LUT != "" and CMP != "":
+            idx, cv = tl.inline_asm_elementwise(
+                CMP, "=r,=r,r,r", [y, tb], dtype=(tl.int32, tl.float32), is_pure=True, pack=1
+            )
+        elif LUT != "":
             idx, cv = tl.inline_asm_elementwise(
                 _LOOKUP_SHFL, "=r,=r,r,r,r,r,r,l,r", [y, a, b, c5, c6, cells, tb],
                 dtype=(tl.int32, tl.float32), is_pure=True, pack=1,
@@ -319,13 +336,13 @@ def _tq_lookup(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALE
 def _tq_tile_out(
     z, f, fc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
-    D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, LUT: tl.constexpr,
+    D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
 ):  # fmt: skip
     """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (z: the exact integer
     Hadamard sums, float32; f, fc = f * CS: [BT, 1] columns); return the elements' int32 terms of the
     scale's sum (`_tq_scale_terms`)."""
     y = z * f
-    idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LUT)
+    idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LUT, CMP)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     return _tq_scale_terms(y, cq, SCALE_MODE)
 
@@ -483,29 +500,32 @@ def _fixed_point(x, p):
 
 
 @triton.jit
-def _rot_tile(
-    xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr, SIGNED: tl.constexpr = False
-):
+def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: tl.constexpr, SIGNS: tl.constexpr = 0):
     """z = xi @ (diag(s) H_W) for the integer tile xi [BT, W] (float32, |xi| <= 2^11) at column col0,
     exact: the signs flip xi's columns, and xi and the +-1 of H are exact in fp16, so the tensor-core
     dot sums W <= 64 exact products into a float32 accumulator: every partial sum is an integer of
     at most 2^17, so no order or accumulator width can round it. had_ptr holds the unsigned H_HS
     (fp16, HS x HS), then the head's signs; hw is H_HS, loaded once per program for the tiles of width
     HS (a narrower tile takes the top-left W x W of H_HS, which is H_W in Sylvester order). One matrix
-    for all tiles instead of one sign-folded matrix per tile: H100, 4bit_nc 0.0665 -> 0.0609 ms. SIGNED: xi
-    carries its signs already (`_load_signed`)."""
+    for all tiles instead of one sign-folded matrix per tile: H100, 4bit_nc 0.0665 -> 0.0609 ms. SIGNS: 0
+    multiplies xi by the signs, 1 takes xi with its signs already (`_load_signed`), 2 flips the sign bits
+    of xi's fp16 copy (`SIGN_XOR`; exact: xi is an integer below 2^11, so the copy is xi itself)."""
     r = tl.arange(0, W)
     if W == HS:
         hm = hw
     else:
         hm = tl.load(had_ptr + r[:, None] * HS + r[None, :])
-    if not SIGNED:
+    if SIGNS == 0:
         xi = xi * tl.load(had_ptr + HS * HS + col0 + r).to(tl.float32)[None, :]
+    xh = xi.to(tl.float16)
+    if SIGNS == 2:
+        bit = tl.load(had_ptr + HS * HS + col0 + r).to(tl.int16, bitcast=True) & -32768  # 0x8000 where s = -1
+        xh = (xh.to(tl.int16, bitcast=True) ^ bit[None, :]).to(tl.float16, bitcast=True)
     if NSPLIT == 0:
         # the CPU interpreter: a float32 dot of the same integers (exact there too)
-        z = tl.dot(xi, hm.to(tl.float32), input_precision="ieee")
+        z = tl.dot(xh.to(tl.float32), hm.to(tl.float32), input_precision="ieee")
     else:
-        z = tl.dot(xi.to(tl.float16), hm)
+        z = tl.dot(xh, hm)
     return z
 
 
@@ -513,7 +533,7 @@ def _rot_tile(
 def _tq_side(
     x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr,
-    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
     NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
@@ -534,24 +554,24 @@ def _tq_side(
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
     # same-width tiles are combined elementwise before one row reduction (reductions cross warps)
     sgn = had_ptr + W * W  # the head's signs, after H_W
-    x0 = _load_signed(x_ptr, xrow, tok_ok, 0, sgn, W, SIGNS)
+    x0 = _load_signed(x_ptr, xrow, tok_ok, 0, sgn, W, SIGNS == 1)
     m = tl.abs(x0)
     if G0 > 1:
-        x1 = _load_signed(x_ptr, xrow, tok_ok, W, sgn, W, SIGNS)
+        x1 = _load_signed(x_ptr, xrow, tok_ok, W, sgn, W, SIGNS == 1)
         m = tl.maximum(m, tl.abs(x1))
     if G0 > 2:
-        x2 = _load_signed(x_ptr, xrow, tok_ok, 2 * W, sgn, W, SIGNS)
-        x3 = _load_signed(x_ptr, xrow, tok_ok, 3 * W, sgn, W, SIGNS)
+        x2 = _load_signed(x_ptr, xrow, tok_ok, 2 * W, sgn, W, SIGNS == 1)
+        x3 = _load_signed(x_ptr, xrow, tok_ok, 3 * W, sgn, W, SIGNS == 1)
         m = tl.maximum(m, tl.maximum(tl.abs(x2), tl.abs(x3)))
     amax = tl.max(m, 1).to(tl.float32)
     if NT > G0:
-        xt1 = _load_signed(x_ptr, xrow, tok_ok, O1, sgn, W1, SIGNS)
+        xt1 = _load_signed(x_ptr, xrow, tok_ok, O1, sgn, W1, SIGNS == 1)
         amax = tl.maximum(amax, _absmax(xt1))
     if NT > G0 + 1:
-        xt2 = _load_signed(x_ptr, xrow, tok_ok, O2, sgn, W2, SIGNS)
+        xt2 = _load_signed(x_ptr, xrow, tok_ok, O2, sgn, W2, SIGNS == 1)
         amax = tl.maximum(amax, _absmax(xt2))
     if NT > G0 + 2:
-        xt3 = _load_signed(x_ptr, xrow, tok_ok, O3, sgn, W3, SIGNS)
+        xt3 = _load_signed(x_ptr, xrow, tok_ok, O3, sgn, W3, SIGNS == 1)
         amax = tl.maximum(amax, _absmax(xt3))
     p, rp = _fixed_scale(amax)
     hr = tl.arange(0, W)
@@ -672,25 +692,25 @@ def _tq_side(
                                         BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3), 1)  # fmt: skip
     else:
         part = _tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
-                            BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT)  # fmt: skip
+                            BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP)  # fmt: skip
         if G0 > 1:
             part += _tq_tile_out(zb, f0, f0 * CS, W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP)  # fmt: skip
         if G0 > 2:
             part += _tq_tile_out(zc, f0, f0 * CS, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP)  # fmt: skip
             part += _tq_tile_out(zd, f0, f0 * CS, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP)  # fmt: skip
         acc = tl.sum(part, 1)
         if NT > G0:
             acc += tl.sum(_tq_tile_out(t1, f1, f1 * CS, O1, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1, LUT), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1, LUT, CMP), 1)  # fmt: skip
         if NT > G0 + 1:
             acc += tl.sum(_tq_tile_out(t2, f2, f2 * CS, O2, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2, LUT), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2, LUT, CMP), 1)  # fmt: skip
         if NT > G0 + 2:
             acc += tl.sum(_tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3, LUT), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3, LUT, CMP), 1)  # fmt: skip
     _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
@@ -698,7 +718,7 @@ def _tq_side(
 def _store_side(
     x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr, NSPLIT: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
@@ -709,7 +729,7 @@ def _store_side(
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
         _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
-                 BITS, SCALE_MODE, GS, NCELL, HALFC, CS, LUT, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
+                 BITS, SCALE_MODE, GS, NCELL, HALFC, CS, LUT, CMP, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
                  O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
     else:
         d = tl.arange(0, DP)
@@ -792,9 +812,9 @@ def _store_kv_kernel(
     kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
     HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
-    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr, KLUT: tl.constexpr,
+    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr, KLUT: tl.constexpr, KCMP: tl.constexpr,
     VMODE: tl.constexpr, VBITS: tl.constexpr, VGS: tl.constexpr,
-    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr, VLUT: tl.constexpr,
+    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr, VLUT: tl.constexpr, VCMP: tl.constexpr,
     SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
@@ -809,10 +829,10 @@ def _store_kv_kernel(
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
-                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, SEARCH, NGAIN,
+                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, SEARCH, NGAIN,
                 NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
-                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, SEARCH, NGAIN,
+                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, SEARCH, NGAIN,
                 NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
 
 
@@ -876,6 +896,21 @@ def lane_table_ptx(entries: list[int]) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+def compare_ptx(bnd: torch.Tensor) -> str:
+    """`_tq_lookup`'s CMP block for ascending float32 boundaries bnd (at most 3): $0 = #{bnd < y} for y in
+    $2, as the sum of the sign bits of p - y (IEEE subtraction, no flush to zero: negative exactly where
+    y > p, and +0 where they are equal); $1 = the centroid at $0 by a shuffle of the lane table entry $3.
+    Three subtractions, a shift and two shift-adds, no load."""
+    bits = [int(b) & 0xFFFFFFFF for b in bnd.float().view(torch.int32).tolist()]
+    assert 1 <= len(bits) <= 3
+    lines = [".reg .f32 d;", ".reg .b32 u, n;"]
+    for i, b in enumerate(bits):
+        lines += [f"sub.rn.f32 d, 0f{b:08X}, $2;", "mov.b32 u, d;", "shr.u32 u, u, 31;"]
+        lines.append("mov.u32 n, u;" if i == 0 else "add.s32 n, n, u;")
+    lines += ["mov.u32 $0, n;", "shfl.sync.idx.b32 $1, $3, $0, 0x1f, 0xffffffff;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 def _tile_plan(blocks: list[int], wmax: int) -> tuple | None:
     """(W, G0, NT, [(offset, width)] of the other blocks) for `_tq_side`, or None
     when the Hadamard blocks don't fit it (then the dense R product is used)."""
@@ -934,7 +969,8 @@ class StorePlan:
         self.gains: torch.Tensor | None = None
         self.rot = self.tiles = None
         self.had: torch.Tensor | None = None  # H_W and the signs (`_rot_tile`), fp16
-        self.sides = []  # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS, LUT))
+        # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS, LUT, CMP))
+        self.sides = []
         if isinstance(fmt, ExactFormat):
             self.sides = [
                 (EXACT, 16, "k", None, None, None),
@@ -961,7 +997,8 @@ class StorePlan:
                 lut = ""
                 if LANE_LUT and n <= 32:  # the scaled centroids' bits, as the table holds them
                     lut = lane_table_ptx([int(v) for v in tab[2 * ncell + n : 2 * ncell + 2 * n]])
-                table = (tab.to(device), ncell, halfc, cs, lut)
+                cmp = compare_ptx(tq_codebook(codec.bits, d)[1]) if lut and n == 4 else ""
+                table = (tab.to(device), ncell, halfc, cs, lut, cmp)
                 rot = codec.rotation
                 tiles = None
                 if type(rot) is Rotation and rot.blocks == hadamard_blocks(d):
@@ -993,7 +1030,7 @@ class StorePlan:
         self.scale_mode, self.search = modes.pop() if modes else (0, False)
         two_4bit = all(m in (TQ, TQ_DENSE) and b == 4 for m, b, *_ in self.sides)
         if two_4bit and self.scale_mode == SCALE_MODES["unbiased"] and not LANE_LUT_TWO_4BIT_UB:
-            self.sides = [(*side[:5], (*side[5][:4], "")) for side in self.sides]
+            self.sides = [(*side[:5], (*side[5][:4], "", "")) for side in self.sides]
         if self.search:
             self.gains = torch.tensor(SEARCH_GAINS, dtype=torch.float32, device=device)
         self.group = [self._group(mode, bits) for mode, bits, *_ in self.sides]
@@ -1048,6 +1085,11 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     return 16, 4, None
 
 
+def sign_mode(plan: StorePlan) -> int:
+    """`_rot_tile`'s SIGNS: 1 at the load (`signs_at_load`), else 2 with `SIGN_XOR`, else 0."""
+    return 1 if signs_at_load(plan) else 2 if SIGN_XOR else 0
+
+
 def signs_at_load(plan: StorePlan) -> bool:
     """Whether the store applies the rotation's signs at the load (`SIGNS_AT_LOAD`): one TurboQuant side
     whose codes do not cross words, in the tuned 16 x 2 launch (the other launches ran slower with it)."""
@@ -1087,7 +1129,7 @@ def store_kv(
         if gs is not None:
             p = p.view(WORD_DTYPES[1 if gs == -8 else bits // 2 if gs < 0 else bits if gs == 0 else gs // 8])
         args += [p, pages[sc] if sc else p, pages[zr] if zr else p, table[0] if table else p]
-        cells.append(table[1:] if table else (1, 0, 1.0, ""))
+        cells.append(table[1:] if table else (1, 0, 1.0, "", ""))
     if plan.tiles is not None:
         w, g0, nt, rest = plan.tiles
         rest = rest + [(0, 16)] * (3 - len(rest))
@@ -1103,12 +1145,12 @@ def store_kv(
         plan.gains if plan.search else first,
         HKV=hkv, BS=bs, D=d, DP=dp, BT=bt, C=min(dp, 64),
         KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, KNCELL=cells[0][0], KHALFC=cells[0][1], KCS=cells[0][2],
-        KLUT=cells[0][3],
+        KLUT=cells[0][3], KCMP=cells[0][4] if CMP_2BIT else "",
         VMODE=vm, VBITS=vb, VGS=plan.group[1] or 0, VNCELL=cells[1][0], VHALFC=cells[1][1], VCS=cells[1][2],
-        VLUT=cells[1][3],
+        VLUT=cells[1][3], VCMP=cells[1][4] if CMP_2BIT else "",
         SCALE_MODE=plan.scale_mode, SEARCH=plan.search,
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=signs_at_load(plan), num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        SIGNS=sign_mode(plan), num_warps=warps, **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
