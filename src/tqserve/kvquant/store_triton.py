@@ -272,7 +272,7 @@ def _pack_tile(
 @triton.jit
 def _tq_lookup(
     y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, SCALED: tl.constexpr, LUT: tl.constexpr,
-    CMP: tl.constexpr = "",
+    CMP: tl.constexpr,
 ):  # fmt: skip
     """(#{boundaries < y}, its centroid) per element of rotated coordinates y, by one table lookup.
 
@@ -369,7 +369,7 @@ def _tq_scale_terms(y, cq, SCALE_MODE: tl.constexpr):
 def _tq_gain_stats(y, g, gc, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr):
     """The elements' terms of <y, c> and ||c||^2 over this tile for c = c[nearest-centroid indices
     of g * y] (the gain-search candidate of gain g; gc = g * CS)."""
-    _, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 0, "")
+    _, cv = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 0, "", "")
     return y * cv, cv * cv
 
 
@@ -396,7 +396,7 @@ def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
                   D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):  # fmt: skip
     """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1]); return the
     elements' int32 terms of the scale's sum over those indices (`_tq_scale_terms`)."""
-    idx, cq = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 1 << BITS, "")
+    idx, cq = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 1 << BITS, "", "")
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
     return _tq_scale_terms(y, cq, SCALE_MODE)
 
@@ -788,7 +788,7 @@ def _store_side(
                     for c0 in tl.static_range(0, DP, C):
                         j = c0 + tl.arange(0, C)
                         y = _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D, C)
-                        _, cv = _tq_lookup(y * g, y, g * CS, tab_ptr, NCELL, HALFC, 0, "")
+                        _, cv = _tq_lookup(y * g, y, g * CS, tab_ptr, NCELL, HALFC, 0, "", "")
                         jm = (j < D)[None, :]
                         dot += tl.sum(tl.where(jm, y * cv, 0.0), 1)
                         cc += tl.sum(tl.where(jm, cv * cv, 0.0), 1)
@@ -798,9 +798,11 @@ def _store_side(
                 j = c0 + tl.arange(0, C)
                 y = _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D, C)
                 if SEARCH:
-                    idx, cq = _tq_lookup(y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC, 1 << BITS, "")
+                    idx, cq = _tq_lookup(
+                        y * gc[:, None], y, (gc * CS)[:, None], tab_ptr, NCELL, HALFC, 1 << BITS, "", ""
+                    )
                 else:
-                    idx, cq = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC, 1 << BITS, LUT)
+                    idx, cq = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC, 1 << BITS, LUT, CMP)
                 acc += tl.sum(tl.where((j < D)[None, :], _tq_scale_terms(y, cq, SCALE_MODE), 0), 1)
                 _pack_tile(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C, GS)
             _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
