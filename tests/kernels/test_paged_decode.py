@@ -243,6 +243,63 @@ def test_narrow_3bit_matches_reference(preset, hq, hkv, d, narrow_spy):
     assert len(narrow_spy) == 3
 
 
+NARROW5 = ["tq4", "tq_k5v4_nc", "tq_k5v2_ub"]  # 5-bit keys: 20-bit groups of 4 codes (`NARROW_KEYS5`)
+
+
+@pytest.mark.parametrize(
+    ("preset", "hq", "hkv", "d"),
+    [("tq4", 8, 2, 128), ("tq_k5v4_nc", 3, 3, 64), ("tq_k5v4_nc", 8, 2, 128), ("tq_k5v2_ub", 16, 2, 256)],
+)
+def test_narrow_5bit_keys_match_reference(preset, hq, hkv, d, narrow_spy, monkeypatch):
+    """5-bit keys (tq4's; groups of 4 codes cut from 5-word runs of the bit stream) on decode and verify
+    batches, with 3-, 4- and 2-bit values, exact copies (tq4) and none, one split and several; off
+    (`NARROW_KEYS5 = 0`), the steps take the general kernel."""
+    monkeypatch.setattr(paged_decode, "NARROW_KEYS5", 1)
+    assert paged_decode.eligible(_layout(preset, hkv, d), 1, d, hq // hkv)
+    for splits in (None, 3):
+        _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
+    qlens = [5, 1, 3, 5] if hq // hkv <= 4 else [3, 1, 2, 3]  # at most 32 columns
+    _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], qlens, seed=6)
+    assert len(narrow_spy) == 3
+    monkeypatch.setattr(paged_decode, "NARROW_KEYS5", 0)
+    assert not paged_decode.eligible(_layout(preset, hkv, d), 1, d, hq // hkv)
+
+
+def test_groups5_cut_the_bit_stream():
+    """`_groups5`'s groups are codes 4g .. 4g + 3 of the packed stream (all 32 codes and random rows)."""
+    from tqserve.kvquant.packing import pack_bits
+
+    gen = torch.Generator().manual_seed(5)
+    d, bn = 128, 16
+    idx = torch.randint(0, 32, (bn, d), generator=gen)
+    idx[0] = torch.arange(d) % 32
+    pages = pack_bits(idx, 5).to(DEV)  # [bn, 80] bytes
+
+    @triton.jit
+    def kernel(p_ptr, o_ptr, D: tl.constexpr, BN: tl.constexpr):
+        rows = tl.arange(0, BN)
+        w = paged_decode._words(p_ptr, rows, rows < BN, 5, 4, D, False, False)
+        tl.store(o_ptr + rows[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], w)
+
+    out = torch.zeros(bn, d // 4, dtype=torch.int32, device=DEV)
+    kernel[(1,)](pages, out, D=d, BN=bn)
+    got = torch.stack([(out.cpu().long() >> (5 * j)) & 31 for j in range(4)], -1).reshape(bn, d)
+    assert torch.equal(got, idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("preset", "hq", "hkv", "d"), [("tq4", 32, 8, 128), ("tq_k5v2_ub", 16, 2, 256)])
+def test_narrow_5bit_gpu_real_sizes(preset, hq, hkv, d, narrow_spy, monkeypatch):
+    """5-bit keys at real sizes (shuffle decoder on the GPU): decode, one long request (split-K), verify."""
+    monkeypatch.setattr(paged_decode, "NARROW_KEYS5", 1)
+    _check_one_step(preset, hq, hkv, d, [9000, 3000, 17, 1], [1, 1, 1, 1], seed=1)
+    _check_one_step(preset, hq, hkv, d, [20000], [1], seed=2)
+    qlen = 5 if hq // hkv <= 4 else 3
+    _check_one_step(preset, hq, hkv, d, [5000, 2047, 64], [qlen] * 3, seed=3)
+    assert len(narrow_spy) == 3
+
+
 def test_narrow_3bit_value_bytes_equal_words(narrow_spy, monkeypatch):
     """3-bit min-max values of decode steps read as byte tiles (`paged_decode.MINMAX3_BYTES`) decode to
     the same operands as the 4-byte words: outputs identical bit for bit, one split and several."""

@@ -141,6 +141,10 @@ MINMAX3_ASM = 0
 MINMAX3_BYTES = 1
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 S3 = 8  # 3-bit codes: a 24-bit group of 8 (3 bytes of the bit stream), narrow kernel only
+# 5-bit keys (tq4's) in the narrow kernel: 20-bit groups of 4 codes cut from 32-bit words (`_groups5`), codes
+# by a 32-lane shuffle table (`shfl_slices5`). Off until run and timed on a GPU (interpreter tests only):
+# such steps take the general kernel, at 0.42x of SDPA for tq4 at 32 x 32K (H100, twenty-sixth session).
+NARROW_KEYS5 = 0
 
 
 def slices(bits: int) -> int:
@@ -168,20 +172,22 @@ def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
     faster than the general kernel for 4-bit keys with 4- / 2-bit values at 32 x 32K (1.6-2.2x),
     1 x 128K (1.4-1.9x), verify 32 x 5 x 32K (1.5-1.8x) and SmolLM2's d = 64 (64 x 4K: 1.4x for
     4-bit keys, 1.7x for tq3). 3-bit codes (8-coordinate groups) only where the narrow kernel takes
-    the step (it has their slice decoders), with at least 16 groups per token; 5-bit codes stay on
-    the general kernel.
+    the step (it has their slice decoders), with at least 16 groups per token; 5-bit keys likewise with
+    `NARROW_KEYS5` (else the general kernel).
     """
     if not ENABLED or max_query_len > MAX_QUERY_LEN or program_rows(max_query_len, group) > MAX_ROWS:
         return False
     if layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
         return False
     bits = (layout.key_bits, layout.val_bits)
-    if head_dim & (head_dim - 1) or any(b not in (2, 3, 4) for b in bits):
+    if head_dim & (head_dim - 1) or layout.val_bits not in (2, 3, 4) or layout.key_bits not in (2, 3, 4, 5):
         return False
-    if 3 in bits:
+    if layout.key_bits == 5 and not NARROW_KEYS5:
+        return False
+    if 3 in bits or 5 in bits:
         from tqserve.attention import paged_decode_narrow as narrow
 
-        if head_dim // S3 < 16 or not narrow.eligible(layout, max_query_len, group):
+        if 3 in bits and head_dim // S3 < 16 or not narrow.eligible(layout, max_query_len, group):
             return False
     return head_dim // S >= 16 and head_dim >= MIN_HEAD_DIM
 
@@ -417,6 +423,36 @@ def shfl_slices3(codebook16) -> tuple[str, str, str, str]:
     return (asm, asm, asm, asm)
 
 
+def shfl_slices5(codebook16) -> tuple[str, str, str, str]:
+    """PTX for 5-bit codebook codes, `shfl_slices3`'s calling convention (two int32 words whose low 5 bits
+    are the codes) -> fp16x2, one shuffle per code from a table with lane l holding c[l]: 32 entries, one
+    per lane, so the shuffle's source lane is the code itself. The table depends on the lane only (byte
+    permutes of immediates, two selects): ptxas hoists it out of the key loop."""
+    import torch
+
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 32
+    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
+    lo = _byte_words([v & 0xFF for v in raw])  # 8 words: entries 4w .. 4w + 3
+    hi = _byte_words([v >> 8 for v in raw])
+    regs = ", ".join([f"L{i}" for i in range(8)] + [f"H{i}" for i in range(8)])
+    body = f".reg .pred p, q;\n.reg .b32 l, m, a0, a1, a2, a3, b0, b1, b2, b3, x, y, tb, ra, rb, {regs};\n"
+    body += "".join(f"mov.b32 L{i}, {w:#x};\n" for i, w in enumerate(lo))
+    body += "".join(f"mov.b32 H{i}, {w:#x};\n" for i, w in enumerate(hi))
+    # lane bits 2:0 pick a byte of the word pair (L2k, L2k+1); bits 4:3 pick the pair k
+    body += "mov.u32 l, %laneid;\nand.b32 m, l, 7;\n"
+    body += "".join(
+        f"prmt.b32 a{k}, L{2 * k}, L{2 * k + 1}, m;\nprmt.b32 b{k}, H{2 * k}, H{2 * k + 1}, m;\n" for k in range(4)
+    )
+    body += "and.b32 m, l, 8;\nsetp.ne.u32 p, m, 0;\nand.b32 m, l, 16;\nsetp.ne.u32 q, m, 0;\n"
+    body += "selp.b32 a0, a1, a0, p;\nselp.b32 a2, a3, a2, p;\nselp.b32 x, a2, a0, q;\n"
+    body += "selp.b32 b0, b1, b0, p;\nselp.b32 b2, b3, b2, p;\nselp.b32 y, b2, b0, q;\n"
+    body += "prmt.b32 tb, x, y, 0x0040;\n"  # fp16 c[l] in the low half
+    body += "shfl.sync.idx.b32 ra, tb, $1, 0x1f, 0xffffffff;\nshfl.sync.idx.b32 rb, tb, $2, 0x1f, 0xffffffff;\n"
+    body += "prmt.b32 $0, ra, rb, 0x5410;\n"  # (ra.lo, rb.lo)
+    asm = "{\n" + body + "}"
+    return (asm, asm, asm, asm)
+
+
 def minmax_slices3() -> tuple[str, str, str, str]:
     """PTX for 3-bit min-max codes, `shfl_slices3`'s calling convention (two int32 words, the code in
     the low 3 bits of each) -> fp16x2 (u, u) with u = 2^3 + code (the code in the top 3 mantissa bits
@@ -492,7 +528,10 @@ def _words(
         row = tokp[:, None]
         kk = k[None, :]
         m = nmask[:, None]
-    if WB == 3 and RAW == 3:  # 3-bit codes (S = 8) as bytes, [K, BN] only (min-max values)
+    if BITS == 5:  # 5-bit codes: 20-bit groups of 4 (S = 4), [BN, K] only (keys)
+        tl.static_assert(not TRANS)
+        w = _groups5(ptr, row, nmask, K, NB)
+    elif WB == 3 and RAW == 3:  # 3-bit codes (S = 8) as bytes, [K, BN] only (min-max values)
         w = _groups3_bytes(ptr, row, nmask, K, NB)
     elif WB == 3:  # 3-bit codes (S = 8)
         w = _groups3(ptr, row, nmask, K, NB, TRANS)
@@ -541,6 +580,40 @@ def _groups3(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, TRANS: tl.const
 
 
 @triton.jit
+def _groups5(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr):
+    """5-bit codes: the token's K groups of 4 codes (20 stream bits each, little-endian) as int32 [BN, K],
+    from 4-byte words: words 5u .. 5u + 4 hold groups 8u .. 8u + 7. Bits above a group's 20 are left as
+    they come (every decoder takes 5 bits of a shifted group)."""
+    wp = ptr.to(tl.pointer_type(tl.int32))
+    U: tl.constexpr = K // 8
+    base = wp + row * (NB // 4) + 5 * tl.arange(0, U)[None, :]
+    m = nmask[:, None]
+    a = tl.load(base, mask=m, other=0)
+    b = tl.load(base + 1, mask=m, other=0)
+    c = tl.load(base + 2, mask=m, other=0)
+    d = tl.load(base + 3, mask=m, other=0)
+    e = tl.load(base + 4, mask=m, other=0)
+    # logical shifts of the int32 words (the top bits of a right shift must be zeros, not signs)
+    a = a.to(tl.uint32, bitcast=True)
+    b = b.to(tl.uint32, bitcast=True)
+    c = c.to(tl.uint32, bitcast=True)
+    d = d.to(tl.uint32, bitcast=True)
+    e = e.to(tl.uint32, bitcast=True)
+    g0 = a
+    g1 = (a >> 20) | (b << 12)
+    g2 = b >> 8
+    g3 = (b >> 28) | (c << 4)
+    g4 = (c >> 16) | (d << 16)
+    g5 = d >> 4
+    g6 = (d >> 24) | (e << 8)
+    g7 = e >> 12
+    # each join adds the last axis, so the first level pairs groups 4 apart: [BN, U, 2, 2, 2], group
+    # 8u + 4i + 2j + k at [.., u, i, j, k], in order once flattened
+    w = tl.join(tl.join(tl.join(g0, g4), tl.join(g2, g6)), tl.join(tl.join(g1, g5), tl.join(g3, g7)))
+    return tl.reshape(w, (w.shape[0], K)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _groups3_bytes(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr):
     """`_groups3`'s [K, BN] groups from their three bytes each: zero-extends, constant shifts and ors
     only, so the slices' conversion to the dot operand layout can happen on the byte tiles."""
@@ -555,7 +628,7 @@ def _groups3_bytes(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr):
 @triton.jit
 def _cb_slice(w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr):
     """Codebook values of slice j (fp16 centroids) from the words."""
-    if ASM != "" and BITS == 3:
+    if ASM != "" and (BITS == 3 or BITS == 5):
         c = _asm_pairs(w >> (BITS * j), ASM)  # the shuffle reads the code from the low bits
     elif ASM != "":
         c = _asm_slice(w, ASM)
@@ -922,7 +995,7 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
         if LOOKUP != "shfl" or bits == 3 and not MINMAX3_ASM:
             return none
         return minmax_slices3() if bits == 3 else minmax_slices(bits)
-    if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits == 3 and LOOKUP != "shfl":
+    if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits in (3, 5) and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
     key = (side, bits, LOOKUP, pairs)
@@ -932,6 +1005,8 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
         host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
         if bits == 3:
             cache[key] = shfl_slices3(host)
+        elif bits == 5:
+            cache[key] = shfl_slices5(host)
         elif bits == 2 and pairs == 2:
             cache[key] = prmt_pair_slices(host)
         elif LOOKUP == "shfl" and bits == 2 and pairs:

@@ -219,6 +219,11 @@ EXACT_MAXNREG = 168
 EXACT_STAGES = 3
 EXACT_WIDE_D_STAGES = 2
 SMALL_D_BLOCK_N = 64
+# 5-bit keys (`paged_decode.NARROW_KEYS5`): 32-key tiles at most. Their groups are int32 (one per 4 codes),
+# twice the registers of 4-bit keys' int16 words: sm_90, offline, tq4 decode at 64-key tiles capped at 168
+# registers spills 103 instructions (21 uncapped at 255), at 32-key tiles 4, outside the key loop
+# (1,531 instructions per tile); tq_k5v4_nc 185 at 64. Not timed.
+KEYS5_BLOCK_N = 32
 SMALL_D_STAGES = 3
 VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
 VERIFY_BLOCK_N = 32
@@ -269,6 +274,15 @@ def launch_config(
     head_dim: int, codebook_values: bool, n_cols: int = 8, exact: bool = False, val_bits: int = 4, key_bits: int = 4
 ) -> tuple[int, int, int, int]:
     """(warps, key tile, pipeline stages, register cap or 0)."""
+    warps, block_n, stages, cap = _launch_config(head_dim, codebook_values, n_cols, exact, val_bits, key_bits)
+    if key_bits == 5:
+        block_n = min(block_n, KEYS5_BLOCK_N)
+    return warps, block_n, stages, cap
+
+
+def _launch_config(
+    head_dim: int, codebook_values: bool, n_cols: int, exact: bool, val_bits: int, key_bits: int
+) -> tuple[int, int, int, int]:
     if n_cols > 16:
         return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES, MAXNREG
     if head_dim < 128:

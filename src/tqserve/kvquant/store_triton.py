@@ -66,9 +66,11 @@ HALF_GROUPS = 1
 # spills); LANE_LUT_TWO_4BIT_UB = 1 keeps the table there too
 LANE_LUT = 1
 LANE_LUT_TWO_4BIT_UB = 0
-# 2-bit sides (three boundaries) count the boundaries below y by three compares with immediates and one
-# three-way add (`compare_ptx`), where the cell lookup takes an fma, a clamp, an address (two instructions),
-# an 8-byte load and a compare; the centroid still comes by the lane table's shuffle
+# 2-bit sides (three boundaries) count the boundaries below y from the sign bits of three subtractions
+# (`compare_ptx`: 7 instructions per element with the centroid's shuffle), where the cell lookup takes an fma,
+# a clamp, an address (two instructions), an 8-byte load and a compare. sm_90: tq3 2,304 -> 2,248 instructions,
+# 96 -> 80 registers. H100, twenty-sixth session, store_bench --flush --slots pages, 16K tokens, % of copy
+# (off / on, two rounds): tq3 42.2 / 45.1, 41.8 / 45.0
 CMP_2BIT = 1
 # The Hadamard tiles' signs applied to K / V as they are loaded (`_load_signed`: an XOR of the sign bit)
 # instead of a float32 multiply per element of the fixed-point tile (`_rot_tile`), for one TurboQuant side
@@ -80,7 +82,9 @@ CMP_2BIT = 1
 SIGNS_AT_LOAD = 1
 # Elsewhere the signs flip the fixed-point tile's fp16 copy, the dot's operand, by an XOR of its sign bits
 # (`_rot_tile`, SIGNS = 2: two columns per 32-bit instruction where the float32 multiply took a conversion
-# of the sign and a multiply per element); 0: the multiply
+# of the sign and a multiply per element); 0: the multiply. sm_90: 96-104 instructions fewer for tq3, tq4,
+# tq_k4v4_* (tq_k4v4_ub 80 -> 96 registers). H100, twenty-sixth session, same bench, points of copy gained:
+# tq4 +0.5 to +0.9, tq_k4v4_ub +0.5 to +0.9, tq_k4v4_nc +0.1 to +0.6, tq3 -0.5 to +0.1
 SIGN_XOR = 1
 # `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
 # Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
