@@ -515,7 +515,8 @@ def _words(
     """Packed words of S indices each (an int8 word of 2-bit codes, an int16 word of 4-bit codes):
     [D // S, BN] (TRANS) or [BN, D // S] int32; RAW keeps the loaded int16 words (the PRMT path packs
     two of them per register). 3-bit codes come as 8-code groups (`_groups3`), or with RAW == 3 from
-    byte tiles ([D // 8, BN] only: `_groups3_bytes`, the narrow kernel's min-max values)."""
+    byte tiles ([D // 8, BN] only: `_groups3_bytes`, the narrow kernel's min-max values); 5-bit codes as
+    int32 groups of 4 ([BN, D // 4] only: `_groups5`, the narrow kernel's keys)."""
     K: tl.constexpr = D // S
     WB: tl.constexpr = S * BITS // 8  # bytes per word
     NB: tl.constexpr = D * BITS // 8  # bytes per token
