@@ -87,3 +87,22 @@ def test_random_batches_match_reference(seed):
         dev = torch.device("cuda")
         errs = backend_step_errors(c["preset"], c["hq"], c["hkv"], c["d"], steps, seed, seed, dev, bs=c["bs"])
         assert max(errs) <= TOL, f"case {seed} through the backend: rel err per step {errs}"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_batches_5bit_keys_narrow(seed, monkeypatch):
+    """The same draws over 5-bit-key formats (tq4 and grammar names) with `NARROW_KEYS5` on, so that their
+    decode / verify rows take the narrow kernel (extend and prefill rows stay with theirs)."""
+    from tqserve.attention import paged_decode
+
+    monkeypatch.setattr(paged_decode, "NARROW_KEYS5", 1)
+    c = _case(1000 + seed)
+    rng = random.Random(seed)
+    c["preset"] = rng.choice(["tq4", f"tq_k5v{rng.choice([2, 3, 4])}_{rng.choice(['nc', 'ub'])}"])
+    if rng.random() < 0.5:
+        c["preset"] += f"_s{rng.choice([0, 4])}_w{rng.choice([0, 32, 48])}"
+    print(f"\ncase {seed}: {c}")
+    _check_one_step(
+        c["preset"], c["hq"], c["hkv"], c["d"], c["ctx"], c["ql"],
+        bs=c["bs"], seed=seed, num_splits=c["num_splits"], pad=c["pad"],
+    )  # fmt: skip
