@@ -907,7 +907,8 @@ def compare_ptx(bnd: torch.Tensor) -> str:
     $2, as the sum of the sign bits of p - y (IEEE subtraction, no flush to zero: negative exactly where
     y > p, and +0 where they are equal); $1 = the centroid at $0 by a shuffle of the lane table entry $3.
     Three subtractions, a shift and two shift-adds, no load."""
-    bits = [int(b) & 0xFFFFFFFF for b in bnd.float().view(torch.int32).tolist()]
+    assert bnd.device.type == "cpu", "build the compare block from the host codebook"
+    bits = [int(b) & 0xFFFFFFFF for b in bnd.float().view(torch.int32).numpy()]
     assert 1 <= len(bits) <= 3
     lines = [".reg .f32 d;", ".reg .b32 u, n;"]
     for i, b in enumerate(bits):
