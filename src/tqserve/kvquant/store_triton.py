@@ -22,7 +22,8 @@ table that holds at most one Lloyd-Max boundary per cell, never near a cell edge
 the number of boundaries below the cell and the cell's own boundary (one exact compare with y), so
 the index is exactly the reference's bucketize count; the centroid follows from the index (on the
 GPU by a warp shuffle from a per-lane table, `LANE_LUT`). On the GPU the lookup is inline PTX, so it
-stays in the MMA layout of the rotated tile.
+stays in the MMA layout of the rotated tile; 2-bit sides count their three boundaries by compares there
+instead (`compare_ptx`, the same exact count).
 Indices are packed 8 at a time into one b-byte group (one 1-, 2- or 4-byte store for b = 1, 2,
 4; for odd b, 4 groups make b 32-bit words). Rotations whose Hadamard blocks don't fit the tiles
 (a block of 8, or more than four tiles) use the dense float32 R product instead.
