@@ -248,14 +248,16 @@ NARROW5 = ["tq4", "tq_k5v4_nc", "tq_k5v2_ub"]  # 5-bit keys: 20-bit groups of 4 
 
 @pytest.mark.parametrize(
     ("preset", "hq", "hkv", "d"),
-    [("tq4", 8, 2, 128), ("tq_k5v4_nc", 3, 3, 64), ("tq_k5v4_nc", 8, 2, 128), ("tq_k5v2_ub", 16, 2, 256)],
+    [("tq4", 8, 2, 128), ("tq_k5v4_nc", 3, 3, 128), ("tq_k5v4_nc", 8, 2, 128), ("tq_k5v2_ub", 16, 2, 256)],
 )
 def test_narrow_5bit_keys_match_reference(preset, hq, hkv, d, narrow_spy, monkeypatch):
-    """5-bit keys (tq4's; groups of 4 codes cut from 5-word runs of the bit stream) on decode and verify
-    batches, with 3-, 4- and 2-bit values, exact copies (tq4) and none, one split and several; off
-    (`NARROW_KEYS5 = 0`), the steps take the general kernel."""
+    """5-bit keys (tq4's; groups of 8 codes as two 20-bit halves cut from 5-word runs of the bit stream,
+    8 slices per dot) on decode and verify batches, with 3-, 4- and 2-bit values, exact copies (tq4) and
+    none, groups 4, 1 and 8, one split and several; off (`NARROW_KEYS5 = 0`), or at d = 64 (fewer than 16
+    groups of 8 per token), the steps take the general kernel."""
     monkeypatch.setattr(paged_decode, "NARROW_KEYS5", 1)
     assert paged_decode.eligible(_layout(preset, hkv, d), 1, d, hq // hkv)
+    assert not paged_decode.eligible(_layout(preset, hkv, 64), 1, 64, hq // hkv)
     for splits in (None, 3):
         _check_one_step(preset, hq, hkv, d, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=splits)
     qlens = [5, 1, 3, 5] if hq // hkv <= 4 else [3, 1, 2, 3]  # at most 32 columns
@@ -266,7 +268,7 @@ def test_narrow_5bit_keys_match_reference(preset, hq, hkv, d, narrow_spy, monkey
 
 
 def test_groups5_cut_the_bit_stream():
-    """`_groups5`'s groups are codes 4g .. 4g + 3 of the packed stream (all 32 codes and random rows)."""
+    """Slice j of `_groups5`'s groups is code 8 g + j of the packed stream (all 32 codes and random rows)."""
     from tqserve.kvquant.packing import pack_bits
 
     gen = torch.Generator().manual_seed(5)
@@ -276,15 +278,16 @@ def test_groups5_cut_the_bit_stream():
     pages = pack_bits(idx, 5).to(DEV)  # [bn, 80] bytes
 
     @triton.jit
-    def kernel(p_ptr, o_ptr, D: tl.constexpr, BN: tl.constexpr):
+    def kernel(p_ptr, cb_ptr, o_ptr, D: tl.constexpr, BN: tl.constexpr):
         rows = tl.arange(0, BN)
-        w = paged_decode._words(p_ptr, rows, rows < BN, 5, 4, D, False, False)
-        tl.store(o_ptr + rows[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], w)
+        w = paged_decode._words(p_ptr, rows, rows < BN, 5, 8, D, False, False)
+        for j in tl.static_range(8):
+            c = paged_decode._cb_slice(w, j, cb_ptr, 5, "", tl.float32)  # the gathers, from an identity codebook
+            tl.store(o_ptr + rows[:, None] * D + tl.arange(0, D // 8)[None, :] * 8 + j, c)
 
-    out = torch.zeros(bn, d // 4, dtype=torch.int32, device=DEV)
-    kernel[(1,)](pages, out, D=d, BN=bn)
-    got = torch.stack([(out.cpu().long() >> (5 * j)) & 31 for j in range(4)], -1).reshape(bn, d)
-    assert torch.equal(got, idx)
+    out = torch.zeros(bn, d, dtype=torch.float32, device=DEV)
+    kernel[(1,)](pages, torch.arange(32, dtype=torch.float32, device=DEV), out, D=d, BN=bn)
+    assert torch.equal(out.cpu().long(), idx)
 
 
 @pytest.mark.gpu

@@ -141,15 +141,19 @@ MINMAX3_ASM = 0
 MINMAX3_BYTES = 1
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 S3 = 8  # 3-bit codes: a 24-bit group of 8 (3 bytes of the bit stream), narrow kernel only
-# 5-bit keys (tq4's) in the narrow kernel: 20-bit groups of 4 codes cut from 32-bit words (`_groups5`), codes
-# by a 32-lane shuffle table (`shfl_slices5`). Off until run and timed on a GPU (interpreter tests only):
-# such steps take the general kernel, at 0.42x of SDPA for tq4 at 32 x 32K (H100, twenty-sixth session).
+# 5-bit keys (tq4's) in the narrow kernel: groups of 8 codes as two 20-bit halves cut from 32-bit words
+# (`_groups5`), 8 slices per dot as 3-bit codes take, codes by a 32-lane shuffle table (`shfl_slices5`). Off
+# until run and timed on a GPU (interpreter tests only): such steps take the general kernel, at 0.42x of SDPA
+# for tq4 at 32 x 32K (H100, twenty-sixth session). sm_90, offline, tq4 decode: 1,212 instructions per 32-key
+# tile, no spills (tq3: 944); with groups of 4 codes and 4 slices 1,531, the decoded keys passing through shared
+# memory (128 16-bit stores per tile) on their way to the dot.
 NARROW_KEYS5 = 0
 
 
 def slices(bits: int) -> int:
-    """Coordinates per packed word (the slice count of the narrow kernel's dots) for b-bit codes."""
-    return S3 if bits == 3 else S
+    """Coordinates per packed word (the slice count of the narrow kernel's dots) for b-bit codes: 8 for the
+    groups of 3- and 5-bit codes."""
+    return S3 if bits in (3, 5) else S
 
 
 MAX_QUERY_LEN = 8  # query tokens per request served here (verify steps of up to 7 drafts)
@@ -187,7 +191,7 @@ def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
     if 3 in bits or 5 in bits:
         from tqserve.attention import paged_decode_narrow as narrow
 
-        if 3 in bits and head_dim // S3 < 16 or not narrow.eligible(layout, max_query_len, group):
+        if head_dim // S3 < 16 or not narrow.eligible(layout, max_query_len, group):
             return False
     return head_dim // S >= 16 and head_dim >= MIN_HEAD_DIM
 
@@ -529,7 +533,7 @@ def _words(
         row = tokp[:, None]
         kk = k[None, :]
         m = nmask[:, None]
-    if BITS == 5:  # 5-bit codes: 20-bit groups of 4 (S = 4), [BN, K] only (keys)
+    if BITS == 5:  # 5-bit codes: 40-bit groups of 8 (S = 8) as [BN, K, 2] halves, [BN, ..] only (keys)
         tl.static_assert(not TRANS)
         w = _groups5(ptr, row, nmask, K, NB)
     elif WB == 3 and RAW == 3:  # 3-bit codes (S = 8) as bytes, [K, BN] only (min-max values)
@@ -582,36 +586,34 @@ def _groups3(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, TRANS: tl.const
 
 @triton.jit
 def _groups5(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr):
-    """5-bit codes: the token's K groups of 4 codes (20 stream bits each, little-endian) as int32 [BN, K],
-    from 4-byte words: words 5u .. 5u + 4 hold groups 8u .. 8u + 7. Bits above a group's 20 are left as
-    they come (every decoder takes 5 bits of a shifted group)."""
+    """5-bit codes: the token's K groups of 8 codes (40 stream bits each, little-endian) as int32 halves
+    [BN, K, 2]: [.., 0] holds codes 0-3 of the group in its low 20 bits, [.., 1] codes 4-7. Words 5u .. 5u + 4
+    hold groups 4u .. 4u + 3; two levels of joins, as `_groups3`'s. Bits above a half's 20 are left as they
+    come (every decoder takes 5 bits of a shifted half)."""
     wp = ptr.to(tl.pointer_type(tl.int32))
-    U: tl.constexpr = K // 8
+    U: tl.constexpr = K // 4
     base = wp + row * (NB // 4) + 5 * tl.arange(0, U)[None, :]
     m = nmask[:, None]
-    a = tl.load(base, mask=m, other=0)
-    b = tl.load(base + 1, mask=m, other=0)
-    c = tl.load(base + 2, mask=m, other=0)
-    d = tl.load(base + 3, mask=m, other=0)
-    e = tl.load(base + 4, mask=m, other=0)
     # logical shifts of the int32 words (the top bits of a right shift must be zeros, not signs)
-    a = a.to(tl.uint32, bitcast=True)
-    b = b.to(tl.uint32, bitcast=True)
-    c = c.to(tl.uint32, bitcast=True)
-    d = d.to(tl.uint32, bitcast=True)
-    e = e.to(tl.uint32, bitcast=True)
-    g0 = a
-    g1 = (a >> 20) | (b << 12)
-    g2 = b >> 8
-    g3 = (b >> 28) | (c << 4)
-    g4 = (c >> 16) | (d << 16)
-    g5 = d >> 4
-    g6 = (d >> 24) | (e << 8)
-    g7 = e >> 12
-    # each join adds the last axis, so the first level pairs groups 4 apart: [BN, U, 2, 2, 2], group
-    # 8u + 4i + 2j + k at [.., u, i, j, k], in order once flattened
-    w = tl.join(tl.join(tl.join(g0, g4), tl.join(g2, g6)), tl.join(tl.join(g1, g5), tl.join(g3, g7)))
-    return tl.reshape(w, (w.shape[0], K)).to(tl.int32, bitcast=True)
+    a = tl.load(base, mask=m, other=0).to(tl.uint32, bitcast=True)
+    b = tl.load(base + 1, mask=m, other=0).to(tl.uint32, bitcast=True)
+    c = tl.load(base + 2, mask=m, other=0).to(tl.uint32, bitcast=True)
+    d = tl.load(base + 3, mask=m, other=0).to(tl.uint32, bitcast=True)
+    e = tl.load(base + 4, mask=m, other=0).to(tl.uint32, bitcast=True)
+    # the 20-bit halves h0 .. h7 of the unit's 4 groups (stream bits 20 k ..)
+    h0 = a
+    h1 = (a >> 20) | (b << 12)
+    h2 = b >> 8
+    h3 = (b >> 28) | (c << 4)
+    h4 = (c >> 16) | (d << 16)
+    h5 = d >> 4
+    h6 = (d >> 24) | (e << 8)
+    h7 = e >> 12
+    lo = tl.join(tl.join(h0, h4), tl.join(h2, h6))  # [BN, U, 2, 2]: group 4u + 2i + j at [.., u, i, j]
+    hi = tl.join(tl.join(h1, h5), tl.join(h3, h7))
+    lo = tl.reshape(lo, (lo.shape[0], K)).to(tl.int32, bitcast=True)
+    hi = tl.reshape(hi, (hi.shape[0], K)).to(tl.int32, bitcast=True)
+    return tl.join(lo, hi)
 
 
 @triton.jit
@@ -629,6 +631,10 @@ def _groups3_bytes(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr):
 @triton.jit
 def _cb_slice(w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr):
     """Codebook values of slice j (fp16 centroids) from the words."""
+    if BITS == 5:  # the half of the group that holds code j
+        lo, hi = tl.split(w)
+        w = hi if j >= 4 else lo
+        j = j % 4
     if ASM != "" and (BITS == 3 or BITS == 5):
         c = _asm_pairs(w >> (BITS * j), ASM)  # the shuffle reads the code from the low bits
     elif ASM != "":

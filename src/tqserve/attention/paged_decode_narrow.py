@@ -220,10 +220,10 @@ EXACT_STAGES = 3
 EXACT_WIDE_D_STAGES = 2
 SMALL_D_BLOCK_N = 64
 SMALL_D_STAGES = 3
-# 5-bit keys (`paged_decode.NARROW_KEYS5`): 32-key tiles at most. Their groups are int32 (one per 4 codes),
-# twice the registers of 4-bit keys' int16 words: sm_90, offline, tq4 decode at 64-key tiles capped at 168
-# registers spills 103 instructions (21 uncapped at 255), at 32-key tiles 4, outside the key loop
-# (1,531 instructions per tile); tq_k5v4_nc 185 at 64. Not timed.
+# 5-bit keys (`paged_decode.NARROW_KEYS5`): 32-key tiles at most. Their groups take two int32 per 8 codes,
+# twice the registers of 4-bit keys' int16 words: sm_90, offline, tq4 decode at 64-key tiles (capped at 168
+# registers) 2,336 instructions per tile and 29 spill instructions, at 32-key tiles 1,212 and none;
+# tq_k5v4_nc 1,958 (2 spills) against 1,040. Not timed.
 KEYS5_BLOCK_N = 32
 VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
 VERIFY_BLOCK_N = 32
