@@ -267,6 +267,22 @@ def test_narrow_5bit_keys_match_reference(preset, hq, hkv, d, narrow_spy, monkey
     assert not paged_decode.eligible(_layout(preset, hkv, d), 1, d, hq // hkv)
 
 
+@pytest.mark.parametrize("preset", ["tq4", "tq_k5v4_nc"])
+def test_narrow_5bit_keys_nan_pages(preset, narrow_spy, monkeypatch):
+    """5-bit keys on pages whose unwritten slots hold NaN (scalars) and odd sequence lengths (a tile's last keys
+    past the end): the narrow kernel's outputs are finite and agree with the general kernel's."""
+    from test_paged_attention import _rel
+
+    for run in _steps(preset, 128, seed=21, nan_pages=True):
+        monkeypatch.setattr(paged_decode, "NARROW_KEYS5", 0)
+        want = run(num_splits=3).float()
+        monkeypatch.setattr(paged_decode, "NARROW_KEYS5", 1)
+        got = run(num_splits=3).float()
+        assert torch.isfinite(got).all()
+        assert _rel(got, want) <= TOL
+    assert len(narrow_spy) == 2
+
+
 def test_groups5_cut_the_bit_stream():
     """Slice j of `_groups5`'s groups is code 8 g + j of the packed stream (all 32 codes and random rows)."""
     from tqserve.kvquant.packing import pack_bits
