@@ -243,9 +243,6 @@ def test_narrow_3bit_matches_reference(preset, hq, hkv, d, narrow_spy):
     assert len(narrow_spy) == 3
 
 
-NARROW5 = ["tq4", "tq_k5v4_nc", "tq_k5v2_ub"]  # 5-bit keys: 20-bit groups of 4 codes (`NARROW_KEYS5`)
-
-
 @pytest.mark.parametrize(
     ("preset", "hq", "hkv", "d"),
     [("tq4", 8, 2, 128), ("tq_k5v4_nc", 3, 3, 128), ("tq_k5v4_nc", 8, 2, 128), ("tq_k5v2_ub", 16, 2, 256)],

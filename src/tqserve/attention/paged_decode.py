@@ -520,7 +520,7 @@ def _words(
     [D // S, BN] (TRANS) or [BN, D // S] int32; RAW keeps the loaded int16 words (the PRMT path packs
     two of them per register). 3-bit codes come as 8-code groups (`_groups3`), or with RAW == 3 from
     byte tiles ([D // 8, BN] only: `_groups3_bytes`, the narrow kernel's min-max values); 5-bit codes as
-    int32 groups of 4 ([BN, D // 4] only: `_groups5`, the narrow kernel's keys)."""
+    8-code groups in two int32 halves ([BN, D // 8, 2] only: `_groups5`, the narrow kernel's keys)."""
     K: tl.constexpr = D // S
     WB: tl.constexpr = S * BITS // 8  # bytes per word
     NB: tl.constexpr = D * BITS // 8  # bytes per token
