@@ -223,7 +223,8 @@ SMALL_D_STAGES = 3
 # 5-bit keys (`paged_decode.NARROW_KEYS5`): 32-key tiles at most. Their groups take two int32 per 8 codes,
 # twice the registers of 4-bit keys' int16 words: sm_90, offline, tq4 decode at 64-key tiles (capped at 168
 # registers) 2,336 instructions per tile and 29 spill instructions, at 32-key tiles 1,212 and none;
-# tq_k5v4_nc 1,958 (2 spills) against 1,040. Not timed.
+# tq_k5v4_nc 1,958 (2 spills) against 1,040. H200, tq4, 64-key tiles against 32: 32 x 32K decode 1.096 / 1.128 ms,
+# 1 x 128K 0.166 / 0.162, verify 1.353 / 1.356 (twenty-seventh session) - within 3%, kept at 32 (no spills).
 KEYS5_BLOCK_N = 32
 VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
 VERIFY_BLOCK_N = 32
