@@ -78,9 +78,16 @@ def test_eligibility(monkeypatch):
         assert paged_decode.eligible(lay(p), 5, 128, group=4), p  # verify: 8 x 4 rows
         assert not paged_decode.eligible(lay(p), 5, 128, group=8), p  # 64 rows: the general kernel
         assert not paged_decode.eligible(lay(p), 9, 128), p  # past MAX_QUERY_LEN
-    # 5-bit codes, dense keys, exact pages: the general kernel
-    for p in ["tq4", "tq4s", "turboquant_k8v4", "fp8", "auto"]:
+    # dense keys, exact pages: the general kernel
+    for p in ["turboquant_k8v4", "fp8", "auto"]:
         assert not paged_decode.eligible(lay(p), 1, 128), p
+    # 5-bit keys: the narrow kernel's 8-code groups as for 3-bit codes (d >= 128), unless NARROW_KEYS5 is off
+    for p in ["tq4", "tq4s"]:
+        assert paged_decode.eligible(lay(p), 1, 128, group=4) and paged_decode.eligible(lay(p), 5, 128, group=4), p
+        assert not paged_decode.eligible(lay(p, 64), 1, 64, group=4), p
+        with monkeypatch.context() as m:
+            m.setattr(paged_decode, "NARROW_KEYS5", 0)
+            assert not paged_decode.eligible(lay(p), 1, 128, group=4), p
     # 3-bit codes: the narrow kernel's 8-code groups, at least 16 per token (d >= 128)
     for p in NARROW3:
         assert paged_decode.eligible(lay(p), 1, 128, group=4) and paged_decode.eligible(lay(p), 5, 128, group=4), p
