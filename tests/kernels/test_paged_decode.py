@@ -143,7 +143,10 @@ def test_launch_configs():
     assert narrow.launch_config(256, True) == (nw, narrow.WIDE_D_BLOCK_N, narrow.WIDE_D_STAGES, 0)
     assert narrow.launch_config(64, True) == (nw, narrow.SMALL_D_BLOCK_N, narrow.SMALL_D_STAGES, 0)
     verify = (narrow.VERIFY_NUM_WARPS, narrow.VERIFY_BLOCK_N, narrow.VERIFY_STAGES, 0)
-    assert narrow.launch_config(128, False, 32) == verify and narrow.launch_config(64, True, 32) == verify
+    wide_verify = (narrow.VERIFY_NUM_WARPS, narrow.VERIFY_BLOCK_N, narrow.VERIFY_WIDE_STAGES, 0)
+    assert narrow.launch_config(128, False, 32) == wide_verify and narrow.launch_config(64, True, 32) == verify
+    assert narrow.launch_config(128, True, 32, True, 2, 5) == wide_verify  # tq4
+    assert narrow.launch_config(128, False, 32, False, 3, 3) == verify  # 3-bit keys keep their stages
     assert narrow.launch_config(64, True, 16) == narrow.launch_config(64, True, 8)
     # exact copies: their own table at d >= 128, a register cap at d < 128
     exact = (nw, narrow.EXACT_BLOCK_N, narrow.EXACT_STAGES, narrow.EXACT_MAXNREG)

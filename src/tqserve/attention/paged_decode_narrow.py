@@ -229,6 +229,15 @@ KEYS5_BLOCK_N = 32
 VERIFY_NUM_WARPS = 1  # more than 16 columns (verify steps: 5 tokens x 4 heads)
 VERIFY_BLOCK_N = 32
 VERIFY_STAGES = 3
+# Verify at d >= 128 with 2-, 4- or 5-bit keys: 5 stages. Triton 3.6 pipelines the page-table load and the
+# tile loads that depend on it one stage apart each, and waits for all of them at the top of the loop: with 3
+# stages the tile loads go out one tile ahead, at the end of the previous tile's work, and a warp then waits
+# the whole memory latency per tile (ncu on an H200, 4bit_nc 32 x 32K decode: 16% of the stall samples at the
+# loop's barrier); 5 stages put them two tiles ahead. H200, CUDA-graph replays, medians of 3 rounds,
+# 32 x 5 x 32K (twenty-seventh session): tq3 0.756 -> 0.713 ms, 4bit_nc 0.695 -> 0.680, tq4 1.356 -> 1.342;
+# 3-bit keys slower (3bit_nc 1.107 -> 1.136), so they keep 3. Decode steps gained nothing (the wait turns
+# into shuffle and shared-memory stalls: 4bit_nc 0.468 -> 0.465, tq3 0.454 -> 0.476).
+VERIFY_WIDE_STAGES = 5
 # (no register cap: at 168, H100, twentieth session, medians of 3 rounds, 32 x 5 x 32K: tq3 0.8316 ->
 # 0.8434 ms, tq_k4v4_ub 0.8132 -> 0.8746, tq_k4v2_ub 0.738 -> 0.899)
 # Split-K fills one wave: (request, KV head) pairs x splits <= the programs the SMs keep resident
@@ -285,7 +294,8 @@ def _launch_config(
     head_dim: int, codebook_values: bool, n_cols: int, exact: bool, val_bits: int, key_bits: int
 ) -> tuple[int, int, int, int]:
     if n_cols > 16:
-        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, VERIFY_STAGES, MAXNREG
+        stages = VERIFY_WIDE_STAGES if head_dim >= 128 and key_bits != 3 else VERIFY_STAGES
+        return VERIFY_NUM_WARPS, VERIFY_BLOCK_N, stages, MAXNREG
     if head_dim < 128:
         cap = (SMALL_D_EXACT_DECODE_MAXNREG if n_cols <= 8 else SMALL_D_EXACT_MAXNREG) if exact else MAXNREG
         return NUM_WARPS, SMALL_D_BLOCK_N, SMALL_D_STAGES, cap
