@@ -56,7 +56,14 @@ from tqserve.attention.tuning import MAX_SPLITS, group_pad
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
 MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # GPU decoders of 2- / 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
-# numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
+# numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter);
+# for A/B timing only, "poly" / "mix": 4-bit codebook keys by an f16x2 polynomial in every slice / in slices
+# 2 and 3 (`poly_slices`; its values differ from the codebook's by up to 0.1% of the range, so not a decoder
+# of the stored pages). H200, CUDA-graph replays, medians of 3 rounds (twenty-eighth session), shfl / poly /
+# mix: 4bit_nc 32 x 32K 0.470 / 0.511 / 0.461 ms, 1 x 128K 0.0738 / 0.0783 / 0.0724, verify 32 x 5 x 32K
+# 0.681 / 0.725 / 0.676; tq3 0.453 / 0.525 / 0.453. The polynomial moves the lookups off the shuffle pipe
+# but costs 6 FMA-pipe instructions per two codes where the shuffles take 3 ALU + 2 shuffles (loop 888 ->
+# 1,095 instructions per tile): the kernel is bound by issue, not by one pipe.
 LOOKUP = "shfl"
 # Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants;
 # docs/benchmarks.md, "Launch table"):
