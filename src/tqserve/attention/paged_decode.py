@@ -474,7 +474,7 @@ def poly_fit(codebook16) -> list[int]:
     t = (torch.arange(16, dtype=torch.float64) - 7.5) / 8
     a = torch.stack([t, t**3, t**5, t**7], 1)
     coef = torch.linalg.lstsq(a, codebook16.double()[:, None]).solution[:, 0]
-    return [int(v) & 0xFFFF for v in coef.to(torch.float16).view(torch.int16).tolist()]
+    return [int(v) & 0xFFFF for v in coef.to(torch.float16).view(torch.int16).numpy()]
 
 
 def poly_values(coef16: list[int]):
@@ -498,7 +498,7 @@ def poly_slices(coef16: list[int]) -> tuple[str, str, str, str]:
     `minmax_slices`), then an odd degree-7 polynomial in t = u - POLY_U0 in f16x2 arithmetic (6
     instructions on the FMA pipe per two codes). Decodes the codebook `poly_values(coef16)`."""
     pair = lambda v: v | v << 16  # noqa: E731
-    u0 = int(torch_half_bits(POLY_U0))
+    u0 = int(half_bits(POLY_U0))
     common = ".reg .b32 t, u, s, p, A1, A3, A5, A7, C;\n"
     common += "".join(f"mov.b32 A{2 * i + 1}, {pair(v):#x};\n" for i, v in enumerate(coef16))
     common += f"mov.b32 C, {pair(u0):#x};\n"
@@ -514,10 +514,11 @@ def poly_slices(coef16: list[int]) -> tuple[str, str, str, str]:
     return tuple(out)
 
 
-def torch_half_bits(x: float) -> int:
-    import torch
+def half_bits(x: float) -> int:
+    """The fp16 bits of x (round to nearest even)."""
+    import struct
 
-    return int(torch.tensor([x], dtype=torch.float16).view(torch.int16)) & 0xFFFF
+    return int.from_bytes(struct.pack("<e", x), "little")
 
 
 def minmax_slices3() -> tuple[str, str, str, str]:
