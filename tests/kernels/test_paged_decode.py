@@ -857,3 +857,22 @@ def test_poly_decoder_matches_its_emulation(head_dim):
         _decode_words_kernel[(words.numel() // 1024,)](words.cuda(), out, 1024, asm)
         idx = (words.to(torch.int32) >> (4 * j)) & 15
         assert torch.equal(out.cpu().view(torch.int16), table[idx.long()].view(torch.int16)), f"slice {j}"
+
+
+@pytest.mark.parametrize("rows32", [0, 1])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
+def test_narrow_page_rows_in_32_and_64_bits(preset, rows32, narrow_spy, monkeypatch):
+    """The narrow kernel's page rows and addresses in 32-bit arithmetic (`paged.rows32`: every page
+    tensor under 2 GiB) and in 64-bit arithmetic, on decode (split) and verify batches."""
+    monkeypatch.setattr(narrow, "ROWS32", rows32)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 150, 9], [1, 1, 1, 1], seed=5, num_splits=3)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 150, 9], [5, 1, 3, 5], seed=6)
+    assert len(narrow_spy) == 2
+
+
+def test_rows32_is_the_2gib_bound():
+    from tqserve.attention.paged import rows32
+
+    assert rows32(torch.empty(2**31 - 1, dtype=torch.uint8, device="meta"))
+    assert not rows32(torch.empty(2**31, dtype=torch.uint8, device="meta"))
+    assert not rows32(torch.empty(16, device="meta"), torch.empty(2**30, dtype=torch.float16, device="meta"))

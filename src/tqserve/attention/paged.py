@@ -290,10 +290,23 @@ def _ints(w, BITS: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, F16J: tl.co
 
 
 @triton.jit
-def _tile_rows(bt_row_ptr, n, nmask, kvh, HKV: tl.constexpr, BS: tl.constexpr):
-    """Token-head row inside the page tensors of key positions n (through the block table)."""
-    page = tl.load(bt_row_ptr + n // BS, mask=nmask, other=0).to(tl.int64)
-    return page * (HKV * BS) + kvh * BS + (n % BS)
+def _tile_rows(bt_row_ptr, n, nmask, kvh, HKV: tl.constexpr, BS: tl.constexpr, ROWS32: tl.constexpr = False):
+    """Token-head row inside the page tensors of key positions n (through the block table). Key
+    positions are never negative: as unsigned numbers, // and % by a power-of-two block size are a
+    shift and a mask (signed ones take 2-4 instructions each to round toward zero, and the kernels
+    compute them once per layout the tile's rows are used in). ROWS32 (`rows32`): every offset into
+    the page tensors fits int32, so rows and addresses skip 64-bit arithmetic."""
+    nu = n.to(tl.uint32)
+    page = tl.load(bt_row_ptr + (nu // BS).to(tl.int32), mask=nmask, other=0)
+    if not ROWS32:
+        page = page.to(tl.int64)
+    return page * (HKV * BS) + kvh * BS + (nu % BS).to(page.dtype)
+
+
+def rows32(*tensors: torch.Tensor) -> bool:
+    """Whether every byte offset into these tensors fits int32 (`_tile_rows`' ROWS32): then so does
+    every element offset of any typed view of them."""
+    return all(t.numel() * t.element_size() < 2**31 for t in tensors)
 
 
 @triton.jit
@@ -305,8 +318,8 @@ def _token_scalars(ptr, tokp, nmask):
     DRAM round trip per tile (H100, Nsight Compute, fourteenth session: the largest stall of the
     decode loop). The word is copied ahead with the packed words; the half is picked by the row's
     parity. The tensor must start on a 4-byte boundary (callers check: `pair_scalars`)."""
-    w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + tokp // 2, mask=nmask, other=0)
-    x = (w >> ((tokp % 2) * 16).to(tl.int32)).to(tl.int16).to(tl.float16, bitcast=True)
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + (tokp >> 1), mask=nmask, other=0)  # rows are >= 0
+    x = (w >> ((tokp & 1) * 16).to(tl.int32)).to(tl.int16).to(tl.float16, bitcast=True)
     return x.to(tl.float32)
 
 

@@ -51,6 +51,7 @@ from tqserve.attention.paged import (
     _load_exact,
     _tile_rows,
     _token_scalars,
+    rows32,
 )
 from tqserve.attention.paged_decode import (
     _asm_slice4,
@@ -65,6 +66,8 @@ from tqserve.attention.paged_decode import (
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
 ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
+# 32-bit page rows and addresses (`paged.rows32`) where every page tensor is under 2 GiB; 0: 64-bit always
+ROWS32 = 1
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
 # Steps whose real columns fill little more than half of the padded N (verify with a GQA group of 4:
@@ -893,7 +896,7 @@ def _narrow_decode_kernel(
     SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_X: tl.constexpr, LAZY_TAU: tl.constexpr,
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
-    VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr,
+    VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1008,7 +1011,7 @@ def _narrow_decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
         kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW)  # [keys, words]
         vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
         ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
@@ -1240,7 +1243,7 @@ def launch(
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
-        ROT16=htab is not None,
+        ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
