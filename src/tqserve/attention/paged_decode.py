@@ -498,7 +498,7 @@ def poly_slices(coef16: list[int]) -> tuple[str, str, str, str]:
     `minmax_slices`), then an odd degree-7 polynomial in t = u - POLY_U0 in f16x2 arithmetic (6
     instructions on the FMA pipe per two codes). Decodes the codebook `poly_values(coef16)`."""
     pair = lambda v: v | v << 16  # noqa: E731
-    u0 = int(half_bits(POLY_U0))
+    u0 = half_bits(POLY_U0)
     common = ".reg .b32 t, u, s, p, A1, A3, A5, A7, C;\n"
     common += "".join(f"mov.b32 A{2 * i + 1}, {pair(v):#x};\n" for i, v in enumerate(coef16))
     common += f"mov.b32 C, {pair(u0):#x};\n"
@@ -1090,7 +1090,7 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
         elif LOOKUP in ("poly", "mix") and bits == 4 and side == "k":
             poly = poly_slices(poly_fit(host))
             cache[key] = poly if LOOKUP == "poly" else shfl_slices(host, bits)[:2] + poly[2:]
-        elif LOOKUP in ("shfl", "poly", "mix"):
+        elif _shuffles():
             cache[key] = shfl_slices(host, bits)
         else:
             tables = prmt_tables(host)
