@@ -832,33 +832,6 @@ def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 6
 
 
-@triton.jit
-def _decode_words_kernel(w_ptr, out_ptr, N: tl.constexpr, ASM: tl.constexpr):
-    offs = tl.program_id(0) * N + tl.arange(0, N)
-    tl.store(out_ptr + offs, paged_decode._asm_slice(tl.load(w_ptr + offs), ASM))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on the GPU only")
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_poly_decoder_matches_its_emulation(head_dim):
-    """`poly_slices` (4-bit codes by an f16x2 polynomial, no lookup) decodes every 16-bit word, slice by
-    slice, to exactly `poly_values` of the code, and those stay within 0.4% of the codebook's range."""
-    from tqserve.kvquant.reference import tq_codebook
-
-    host = tq_codebook(4, head_dim)[0].half()
-    coef = paged_decode.poly_fit(host)
-    table = paged_decode.poly_values(coef)
-    assert torch.equal(table, -table.flip(0))
-    assert (table.double() - host.double()).abs().max() <= 4e-3 * host.double().abs().max()
-    words = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
-    for j, asm in enumerate(paged_decode.poly_slices(coef)):
-        out = torch.empty(words.numel(), dtype=torch.float16, device="cuda")
-        _decode_words_kernel[(words.numel() // 1024,)](words.cuda(), out, 1024, asm)
-        idx = (words.to(torch.int32) >> (4 * j)) & 15
-        assert torch.equal(out.cpu().view(torch.int16), table[idx.long()].view(torch.int16)), f"slice {j}"
-
-
 @pytest.mark.parametrize("rows32", [0, 1])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
 def test_narrow_page_rows_in_32_and_64_bits(preset, rows32, narrow_spy, monkeypatch):

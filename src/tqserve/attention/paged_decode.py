@@ -56,14 +56,7 @@ from tqserve.attention.tuning import MAX_SPLITS, group_pad
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
 MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # GPU decoders of 2- / 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
-# numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter);
-# for A/B timing only, "poly" / "mix": 4-bit codebook keys by an f16x2 polynomial in every slice / in slices
-# 2 and 3 (`poly_slices`; its values differ from the codebook's by up to 0.1% of the range, so not a decoder
-# of the stored pages). H200, CUDA-graph replays, medians of 3 rounds (twenty-eighth session), shfl / poly /
-# mix: 4bit_nc 32 x 32K 0.470 / 0.511 / 0.461 ms, 1 x 128K 0.0738 / 0.0783 / 0.0724, verify 32 x 5 x 32K
-# 0.681 / 0.725 / 0.676; tq3 0.453 / 0.525 / 0.453. The polynomial moves the lookups off the shuffle pipe
-# but costs 6 FMA-pipe instructions per two codes where the shuffles take 3 ALU + 2 shuffles (loop 888 ->
-# 1,095 instructions per tile): the kernel is bound by issue, not by one pipe.
+# numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
 # Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants;
 # docs/benchmarks.md, "Launch table"):
@@ -461,64 +454,6 @@ def shfl_slices5(codebook16) -> tuple[str, str, str, str]:
     body += "prmt.b32 $0, ra, rb, 0x5410;\n"  # (ra.lo, rb.lo)
     asm = "{\n" + body + "}"
     return (asm, asm, asm, asm)
-
-
-POLY_U0 = 2.0 + 7.5 / 8  # the poly decoder's centre: u = 2 + idx / 8, t = u - POLY_U0 = (idx - 7.5) / 8
-
-
-def poly_fit(codebook16) -> list[int]:
-    """fp16 bits of (a1, a3, a5, a7): the odd polynomial t (a1 + s (a3 + s (a5 + s a7))), s = t^2,
-    t = (idx - 7.5) / 8, closest (least squares) to a symmetric 16-entry codebook."""
-    import torch
-
-    t = (torch.arange(16, dtype=torch.float64) - 7.5) / 8
-    a = torch.stack([t, t**3, t**5, t**7], 1)
-    coef = torch.linalg.lstsq(a, codebook16.double()[:, None]).solution[:, 0]
-    return [int(v) & 0xFFFF for v in coef.to(torch.float16).view(torch.int16).numpy()]
-
-
-def poly_values(coef16: list[int]):
-    """The 16 fp16 values `poly_slices` decodes (its arithmetic emulated: exact t and s, one rounding per
-    fma, as `fma.rn.f16x2`), index order."""
-    import torch
-
-    f16 = lambda x: x.to(torch.float16).double()  # noqa: E731
-    a = torch.tensor(coef16, dtype=torch.int32).to(torch.int16).view(torch.float16).double()
-    t = (torch.arange(16, dtype=torch.float64) - 7.5) / 8
-    s = t * t
-    p = torch.full((16,), float(a[3]), dtype=torch.float64)
-    for c in (a[2], a[1], a[0]):
-        p = f16(p * s + c)
-    return f16(p * t).to(torch.float16)
-
-
-def poly_slices(coef16: list[int]) -> tuple[str, str, str, str]:
-    """PTX of slice j = 0..3 for 4-bit codes in 16-bit words (`shfl_slices`' contract) with no lookup:
-    the code to the top mantissa bits of 2 (u = 2 + idx / 8, one shift and one LOP3 as
-    `minmax_slices`), then an odd degree-7 polynomial in t = u - POLY_U0 in f16x2 arithmetic (6
-    instructions on the FMA pipe per two codes). Decodes the codebook `poly_values(coef16)`."""
-    pair = lambda v: v | v << 16  # noqa: E731
-    u0 = half_bits(POLY_U0)
-    common = ".reg .b32 t, u, s, p, A1, A3, A5, A7, C;\n"
-    common += "".join(f"mov.b32 A{2 * i + 1}, {pair(v):#x};\n" for i, v in enumerate(coef16))
-    common += f"mov.b32 C, {pair(u0):#x};\n"
-    out = []
-    for j in range(4):
-        shift = 6 - 4 * j
-        body = common + (f"shl.b32 t, $1, {shift};\n" if shift > 0 else f"shr.u32 t, $1, {-shift};\n")
-        body += "lop3.b32 u, t, 0x03c003c0, 0x40004000, 0xea;\n"  # (t & idx bits) | 2.0
-        body += "sub.rn.f16x2 t, u, C;\nmul.rn.f16x2 s, t, t;\n"
-        body += "fma.rn.f16x2 p, A7, s, A5;\nfma.rn.f16x2 p, p, s, A3;\nfma.rn.f16x2 p, p, s, A1;\n"
-        body += "mul.rn.f16x2 $0, p, t;\n"
-        out.append("{\n" + body + "}")
-    return tuple(out)
-
-
-def half_bits(x: float) -> int:
-    """The fp16 bits of x (round to nearest even)."""
-    import struct
-
-    return int.from_bytes(struct.pack("<e", x), "little")
 
 
 def minmax_slices3() -> tuple[str, str, str, str]:
@@ -1055,11 +990,6 @@ def pair_tables(narrow: bool, max_query_len: int) -> int:
     return 2 if PRMT2_DECODE and narrow and max_query_len == 1 else PAIR_TABLES
 
 
-def _shuffles() -> bool:
-    """`LOOKUP` decodes every side but 4-bit codebook keys as "shfl" does."""
-    return LOOKUP in ("shfl", "poly", "mix")
-
-
 def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[str, str, str, str]:
     """Inline-PTX slice decoders for a side on the GPU (`LOOKUP`), else empty strings (gathers);
     `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None)."""
@@ -1068,10 +998,10 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
     if _interpreting() or LOOKUP == "gather" or not layout.key_cb16.is_cuda:
         return none
     if side == "v" and layout.val_mode == MINMAX:
-        if not _shuffles() or bits == 3 and not MINMAX3_ASM:
+        if LOOKUP != "shfl" or bits == 3 and not MINMAX3_ASM:
             return none
         return minmax_slices3() if bits == 3 else minmax_slices(bits)
-    if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits in (3, 5) and not _shuffles():
+    if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits in (3, 5) and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
     key = (side, bits, LOOKUP, pairs)
@@ -1085,12 +1015,9 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
             cache[key] = shfl_slices5(host)
         elif bits == 2 and pairs == 2:
             cache[key] = prmt_pair_slices(host)
-        elif _shuffles() and bits == 2 and pairs:
+        elif LOOKUP == "shfl" and bits == 2 and pairs:
             cache[key] = shfl_pair_slices(host)
-        elif LOOKUP in ("poly", "mix") and bits == 4 and side == "k":
-            poly = poly_slices(poly_fit(host))
-            cache[key] = poly if LOOKUP == "poly" else shfl_slices(host, bits)[:2] + poly[2:]
-        elif _shuffles():
+        elif LOOKUP == "shfl":
             cache[key] = shfl_slices(host, bits)
         else:
             tables = prmt_tables(host)
@@ -1226,7 +1153,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         layout.val_mode == CODEBOOK and layout.val_bits == 2 and bq * gp >= BYTE_VALUES_ROWS and d >= BYTE_VALUES_MIN_D
     )
     # (the narrow kernel takes the two-words-per-register decoders: no byte-word variant there)
-    vb8 = byte_vals and bool(vasm[0]) and _shuffles() and not use_narrow
+    vb8 = byte_vals and bool(vasm[0]) and LOOKUP == "shfl" and not use_narrow
     if vb8:
         vasm = _asm_b8(layout)
     if use_narrow and narrow.byte_values(layout, meta.max_query_len):
