@@ -73,6 +73,8 @@ ENABLED = True  # benchmarks / tests switch this path off to compare with `paged
 # 0.0717 / 0.0703; tq3 0.453 / 0.444 / 0.439; 3bit_nc 0.852 / 0.808 / 0.778; verify 32 x 5 x 32K 4bit_nc
 # 0.679 / 0.671 / 0.668, tq3 0.713 / 0.702 / 0.697.
 ROWS32 = 1
+# Decode steps sum the softmax denominator and min-max zero terms over the keys after the loop (A/B knob)
+DEFER_SUMS = 1
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
 # Steps whose real columns fill little more than half of the padded N (verify with a GQA group of 4:
@@ -902,6 +904,7 @@ def _narrow_decode_kernel(
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
+    DEFER_SUMS: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -981,6 +984,12 @@ def _narrow_decode_kernel(
         a6 = tl.zeros([KV, N], dtype=tl.float32)
         a7 = tl.zeros([KV, N], dtype=tl.float32)
     vsum = tl.zeros([N], dtype=tl.float32)  # min-max: sum of p (zero - 2^b scale), see _mm_terms
+    # DEFER_SUMS: the softmax denominator and the min-max zero terms accumulate per key row and are summed
+    # over the keys once after the loop (no cross-lane reduction per tile)
+    DEFER: tl.constexpr = DEFER_SUMS and LAZY_TAU == 0 and N2 == 0 and not HAS_EXACT  # (tq3: spills at 168)
+    if DEFER:
+        l_acc = tl.zeros([BLOCK_N, N], dtype=tl.float32)
+        v_acc = tl.zeros([BLOCK_N, N], dtype=tl.float32)
     if N2 > 0:  # the second column group: its queries (r), softmax state and accumulators (b)
         h_ok2, hq2, tok_c2, qpos2 = _columns(N + tl.arange(0, N2), G, BLOCK_Q, qlen, kvh, q_start, seq_len)
         tok2 = tok_c2[None, :] * stride_qt
@@ -1078,11 +1087,17 @@ def _narrow_decode_kernel(
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
+            if DEFER:
+                l_acc = l_acc * alpha[None, :] + p
+            else:
+                l_i = l_i * alpha + tl.sum(p, 0)
             if VAL_MODE == 2:
                 vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
-                vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
+                if DEFER:
+                    v_acc = v_acc * alpha[None, :] + p * vze[:, None]
+                else:
+                    vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
             a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
             if SV == 8:
                 a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
@@ -1150,6 +1165,9 @@ def _narrow_decode_kernel(
             a0, a1, a2, a3, a4, a5, a6, a7 = _unrotate8(a0, a1, a2, a3, a4, a5, a6, a7, vr_ptr, D, VPERM, RPREC)
         else:
             a0, a1, a2, a3 = _unrotate4(a0, a1, a2, a3, vr_ptr, D, VPERM, RPREC)
+    if DEFER:
+        l_i = tl.sum(l_acc, 0)
+        vsum = tl.sum(v_acc, 0)
     vs = vsum[None, :]
     inv_l = _finish_group(obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, NPART, SPLIT)
     _store_cols(obase, a0 + vs, inv_l, h_ok, 0, SV, D, VPERM)
@@ -1248,7 +1266,7 @@ def launch(
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
-        ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
+        ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz), DEFER_SUMS=bool(DEFER_SUMS),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
