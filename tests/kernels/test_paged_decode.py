@@ -843,9 +843,10 @@ def test_narrow_page_rows_in_32_and_64_bits(preset, rows32, narrow_spy, monkeypa
     assert len(narrow_spy) == 2
 
 
-def test_rows32_is_the_2gib_bound():
+def test_rows32_is_the_int32_element_bound():
     from tqserve.attention.paged import rows32
 
     assert rows32(torch.empty(2**31 - 1, dtype=torch.uint8, device="meta"))
     assert not rows32(torch.empty(2**31, dtype=torch.uint8, device="meta"))
-    assert not rows32(torch.empty(16, device="meta"), torch.empty(2**30, dtype=torch.float16, device="meta"))
+    assert rows32(torch.empty(2**31 - 1, dtype=torch.bfloat16, device="meta"))  # bf16 pages: element offsets
+    assert not rows32(torch.empty(16, device="meta"), torch.empty(2**31, dtype=torch.float16, device="meta"))

@@ -304,9 +304,10 @@ def _tile_rows(bt_row_ptr, n, nmask, kvh, HKV: tl.constexpr, BS: tl.constexpr, R
 
 
 def rows32(*tensors: torch.Tensor) -> bool:
-    """Whether every byte offset into these tensors fits int32 (`_tile_rows`' ROWS32): then so does
-    every element offset of any typed view of them."""
-    return all(t.numel() * t.element_size() < 2**31 for t in tensors)
+    """Whether every element offset into these tensors fits int32 (`_tile_rows`' ROWS32). The kernels read
+    a tensor through its own element type or a wider one (packed uint8 pages as int16 / int32 words, fp16
+    scalars as int32 pairs), whose offsets are smaller still."""
+    return all(t.numel() < 2**31 for t in tensors)
 
 
 @triton.jit
@@ -405,6 +406,7 @@ def _paged_attn_kernel(
     INTS: tl.constexpr = True,  # min-max tiles as fp16 1024 + idx
     F16J: tl.constexpr = False,  # join decoded halves as fp16 (else as int32)
     PREFETCH: tl.constexpr = False,  # load tile i + 1 into registers while tile i is decoded
+    ROWS32: tl.constexpr = False,  # page rows in 32 bits (`rows32`)
 ):
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -465,14 +467,14 @@ def _paged_attn_kernel(
         # tile i + 1 are loaded while tile i is decoded, and the block-table entries one tile
         # further ahead, so no global load latency sits between two tiles.
         n_a = lo + tl.arange(0, BLOCK_N)
-        tokp_a = _tile_rows(bt_row, n_a, n_a < hi, kvh, HKV, BS)
+        tokp_a = _tile_rows(bt_row, n_a, n_a < hi, kvh, HKV, BS, ROWS32)
         kr_nx, ksc_nx, kze_nx = _load_side(
             kp_ptr, ks_ptr, ks_ptr, tokp_a, n_a < hi, d, dmask, KEY_MODE, KEY_BITS, KEY_SCALED, D, DP, BLOCK_N
         )
         vr_nx, vsc_nx, vze_nx = _load_side(
             vp_ptr, vs_ptr, vz_ptr, tokp_a, n_a < hi, d, dmask, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N
         )
-        tokp_nx = _tile_rows(bt_row, n_a + BLOCK_N, n_a + BLOCK_N < hi, kvh, HKV, BS)
+        tokp_nx = _tile_rows(bt_row, n_a + BLOCK_N, n_a + BLOCK_N < hi, kvh, HKV, BS, ROWS32)
 
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -486,9 +488,9 @@ def _paged_attn_kernel(
             vr_nx, vsc_nx, vze_nx = _load_side(
                 vp_ptr, vs_ptr, vz_ptr, tokp_nx, n1 < hi, d, dmask, VAL_MODE, VAL_BITS, VAL_SCALED, D, DP, BLOCK_N
             )
-            tokp_nx = _tile_rows(bt_row, n1 + BLOCK_N, n1 + BLOCK_N < hi, kvh, HKV, BS)
+            tokp_nx = _tile_rows(bt_row, n1 + BLOCK_N, n1 + BLOCK_N < hi, kvh, HKV, BS, ROWS32)
         else:
-            tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+            tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
             kr, ksc, kze = _load_side(
                 kp_ptr, ks_ptr, ks_ptr, tokp, nmask, d, dmask, KEY_MODE, KEY_BITS, KEY_SCALED, D, DP, BLOCK_N
             )
@@ -736,7 +738,7 @@ def paged_attention(
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32",
         PAIRS=pairs, INTS=ints,
-        F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"],
+        F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"], ROWS32=rows32(kp, ks, vp, vs, vz),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if _interpreting() else LAUNCH_OPTS),
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)

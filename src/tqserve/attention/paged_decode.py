@@ -49,6 +49,7 @@ from tqserve.attention.paged import (
     _row_major,
     _tile_rows,
     centroid_tables,
+    rows32,
 )
 from tqserve.attention.rotate import rotate_rows
 from tqserve.attention.tuning import MAX_SPLITS, group_pad
@@ -781,7 +782,7 @@ def _decode_kernel(
     VASM0: tl.constexpr, VASM1: tl.constexpr, VASM2: tl.constexpr, VASM3: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NPART: tl.constexpr, SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr, PREC: tl.constexpr, BLOCK_X: tl.constexpr, X_PHASED: tl.constexpr,
-    XH: tl.constexpr, FOLD_MASK: tl.constexpr, VAL_TRANS: tl.constexpr, VB8: tl.constexpr,
+    XH: tl.constexpr, FOLD_MASK: tl.constexpr, VAL_TRANS: tl.constexpr, VB8: tl.constexpr, ROWS32: tl.constexpr,
 ):  # fmt: skip
     BM: tl.constexpr = BLOCK_Q * GP
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -856,7 +857,7 @@ def _decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS)
+        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
         kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SW, D, True, KRAW)
         ksc = tl.load(ks_ptr + tokp, mask=nmask, other=0.0)
         if VAL_TRANS:  # [words, keys] loaded, then viewed [keys, words]: keys contiguous in shared memory
@@ -1183,7 +1184,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=dot_f32, PREC=prec, BLOCK_X=16,
         X_PHASED=phased, XH=EXACT_CHUNKS if phased else 1, FOLD_MASK=bool(FOLD_EXACT_MASK),
-        VAL_TRANS=byte_vals, VB8=vb8,
+        VAL_TRANS=byte_vals, VB8=vb8, ROWS32=rows32(kp, ks, vp, vs, vz),
         num_warps=warps, num_stages=stages, **({"maxnreg": MAXNREG} if MAXNREG and not _interpreting() else {}),
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
