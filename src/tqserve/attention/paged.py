@@ -47,6 +47,8 @@ LAST_LAUNCH: dict = {}  # the last decode / verify kernel launched (this, sliced
 # "prefetch": register double buffering of the packed tiles in decode / verify (tuning.py decides
 # where it applies; off here forces the old single-buffered loop).
 FAST = {"pairs": True, "ints": True, "f16join": False, "prefetch": True}
+# page rows in 32 bits where `rows32` allows (A/B knob)
+ROWS32 = 1
 # Extra compile options for the attention kernel on the GPU (benchmarks: e.g. {"maxnreg": 168}).
 LAUNCH_OPTS: dict = {}
 LOG2E = 1.4426950408889634
@@ -738,7 +740,7 @@ def paged_attention(
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32",
         PAIRS=pairs, INTS=ints,
-        F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"], ROWS32=rows32(kp, ks, vp, vs, vz),
+        F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"], ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if _interpreting() else LAUNCH_OPTS),
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)

@@ -118,6 +118,7 @@ BYTE_VALUES_MIN_D = 128
 # Register cap per thread for the decode kernel (0: the compiler's choice, 255 for one-warp programs);
 # benchmarks sweep it. H200, eighth session: 200 was 3-17% slower, 168 17-32% (spills in the key loop).
 MAXNREG = 0
+ROWS32 = 1  # page rows in 32 bits where `paged.rows32` allows (A/B knob)
 # 2-bit codebooks decode through the pair table (`shfl_pair_slices`: one shuffle per two codes);
 # 0: one shuffle per code (`shfl_slices`); 2: no shuffle, one byte permute per two codes
 # (`prmt_pair_slices`); for A/B timing.
@@ -1184,7 +1185,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=dot_f32, PREC=prec, BLOCK_X=16,
         X_PHASED=phased, XH=EXACT_CHUNKS if phased else 1, FOLD_MASK=bool(FOLD_EXACT_MASK),
-        VAL_TRANS=byte_vals, VB8=vb8, ROWS32=rows32(kp, ks, vp, vs, vz),
+        VAL_TRANS=byte_vals, VB8=vb8, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
         num_warps=warps, num_stages=stages, **({"maxnreg": MAXNREG} if MAXNREG and not _interpreting() else {}),
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
