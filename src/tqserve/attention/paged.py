@@ -740,7 +740,8 @@ def paged_attention(
         SINK=layout.sink, WINDOW=layout.window, NPART=npart, SPLIT=splits > 1,
         DOT_F32=_interpreting() or model_f32, PREC="ieee" if model_f32 else "tf32",
         PAIRS=pairs, INTS=ints,
-        F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"], ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
+        F16J=FAST["f16join"], PREFETCH=cfg.prefetch and FAST["prefetch"],
+        ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if _interpreting() else LAUNCH_OPTS),
     )  # fmt: skip
     return finish_parts(part, lse, out, splits, npart, layout, meta, T, hq, d)
