@@ -986,7 +986,7 @@ def _narrow_decode_kernel(
     vsum = tl.zeros([N], dtype=tl.float32)  # min-max: sum of p (zero - 2^b scale), see _mm_terms
     # DEFER_SUMS: the softmax denominator and the min-max zero terms accumulate per key row and are summed
     # over the keys once after the loop (no cross-lane reduction per tile)
-    DEFER: tl.constexpr = DEFER_SUMS and LAZY_TAU == 0 and N2 == 0 and not HAS_EXACT  # (tq3: spills at 168)
+    DEFER: tl.constexpr = DEFER_SUMS and N2 == 0 and not HAS_EXACT  # (tq3, with exact copies: spills at 168)
     if DEFER:
         l_acc = tl.zeros([BLOCK_N, N], dtype=tl.float32)
         v_acc = tl.zeros([BLOCK_N, N], dtype=tl.float32)
@@ -1072,17 +1072,27 @@ def _narrow_decode_kernel(
             if tl.max(m_tile - m_i, 0) > LAZY_TAU:
                 m_new = tl.maximum(m_i, m_tile)
                 alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                vsum = vsum * alpha
+                if DEFER:
+                    l_acc = l_acc * alpha[None, :]
+                    v_acc = v_acc * alpha[None, :]
+                else:
+                    l_i = l_i * alpha
+                    vsum = vsum * alpha
                 a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
                 if SV == 8:
                     a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
                 m_i = m_new
             p = tl.exp2(s - m_i[None, :])
-            l_i = l_i + tl.sum(p, 0)
+            if DEFER:
+                l_acc = l_acc + p
+            else:
+                l_i = l_i + tl.sum(p, 0)
             if VAL_MODE == 2:
                 vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
-                vsum = vsum + tl.sum(p * vze[:, None], 0)
+                if DEFER:
+                    v_acc = v_acc + p * vze[:, None]
+                else:
+                    vsum = vsum + tl.sum(p * vze[:, None], 0)
         else:
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
