@@ -73,8 +73,26 @@ ENABLED = True  # benchmarks / tests switch this path off to compare with `paged
 # 0.0717 / 0.0703; tq3 0.453 / 0.444 / 0.439; 3bit_nc 0.852 / 0.808 / 0.778; verify 32 x 5 x 32K 4bit_nc
 # 0.679 / 0.671 / 0.668, tq3 0.713 / 0.702 / 0.697.
 ROWS32 = 1
-# Decode steps sum the softmax denominator and min-max zero terms over the keys after the loop (A/B knob)
-DEFER_SUMS = 1
+# Decode steps (at most DECODE_COLS columns) by layout (key bits, value mode, value bits, head size, exact
+# copies): (DEFER: the softmax denominator and min-max zero terms summed per key row and reduced once after
+# the loop, not across lanes per tile; LAZY: the lazy rescale below). Others do neither. Chosen by
+# measurement: H200, CUDA-graph replays, medians of 3 rounds, one call (twenty-ninth session), 32 x 32K ms,
+# neither / deferred / lazy / both:
+#   4bit_nc        0.4278 / 0.4173 / 0.4274 / 0.4213  (1 x 128K 0.0707 / 0.0693 / 0.0694 / 0.0699)
+#   3bit_nc        0.8638 / 0.8858 / 0.8859 / 0.8432  (1 x 128K 0.128 / 0.131 / 0.130 / 0.125)
+#   4bit_nc d=256  0.2562 / 0.2592 / 0.2425 / 0.2445  (16 / 2 heads)
+#   tq3            0.4394 / - / 0.4362 / -            (exact copies: never deferred)
+# and neither for k3v4_nc (0.4998 / 0.5142 / 0.5046 / 0.5139), tq_k4v4_nc (0.5352 / 0.5724 / 0.5371 /
+# 0.5999; d = 64 and 256 alike) and 4bit_nc at d = 64 (64 x 4K: 0.0428 / 0.0438 / 0.0432 / 0.0441). Verify
+# steps are the same either way.
+DECODE_COLS = 8
+DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
+    (4, MINMAX, 4, 128, False): (True, False),
+    (3, MINMAX, 3, 128, False): (True, True),
+    (4, MINMAX, 4, 256, False): (False, True),
+    (4, CODEBOOK, 2, 128, True): (False, True),
+}
+DEFER_SUMS = 1  # 0: never defer (A/B knob)
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
 # Steps whose real columns fill little more than half of the padded N (verify with a GQA group of 4:
@@ -104,7 +122,8 @@ MAXNREG = 0  # register cap of every other configuration (0: the compiler's choi
 # running maximum grows by more than LAZY_TAU (log2 units; p stays below 2^LAZY_TAU, fine for the fp16
 # p x scale operand and the float32 sums), for steps of at least LAZY_MIN_COLS columns.
 # H100, tenth session, 4bit_nc 32 x 5 x 32K: tau 8 1.081 ms, off 1.120 (3 and 8 alike); decode steps
-# (8 columns) gain nothing (0.545 vs 0.529 ms at 32 x 32K), so only verify steps take it.
+# (8 columns) gain nothing (0.545 vs 0.529 ms at 32 x 32K), so only verify steps take it, and the decode
+# steps of the layouts `DECODE_SUMS` lists.
 LAZY_TAU = 8.0
 LAZY_MIN_COLS = 32
 # Per-token fp16 scalars (norms, scales, zeros) read through their 32-bit words, which the pipeliner
@@ -269,9 +288,23 @@ def eligible(layout, max_query_len: int, group: int) -> bool:
     return ENABLED and max_query_len <= MAX_QUERY_LEN and cols(max_query_len, group) <= MAX_COLS
 
 
-def lazy_tau(n_cols: int) -> float:
+def _decode_sums(layout, head_dim: int, n_cols: int) -> tuple[bool, bool]:
+    if n_cols > DECODE_COLS:
+        return False, False
+    exact = bool(layout.sink or layout.window)
+    return DECODE_SUMS.get((layout.key_bits, layout.val_mode, layout.val_bits, head_dim, exact), (False, False))
+
+
+def lazy_tau(layout, head_dim: int, n_cols: int) -> float:
     """The lazy-rescaling threshold of steps with `n_cols` columns (0.0: rescale every tile)."""
-    return float(LAZY_TAU) if n_cols >= LAZY_MIN_COLS else 0.0
+    lazy = n_cols >= LAZY_MIN_COLS or _decode_sums(layout, head_dim, n_cols)[1]
+    return float(LAZY_TAU) if lazy else 0.0
+
+
+def defer_sums(layout, head_dim: int, n_cols: int) -> bool:
+    """Whether a step sums its softmax denominators and min-max zero terms after the key loop (`DECODE_SUMS`;
+    the kernel does so only without exact copies and a second column group)."""
+    return bool(DEFER_SUMS) and _decode_sums(layout, head_dim, n_cols)[0]
 
 
 def cols(max_query_len: int, group: int) -> int:
@@ -484,7 +517,8 @@ def plan(
         head_dim, layout.val_mode == CODEBOOK, n_cols, exact, layout.val_bits, layout.key_bits
     )
     key = (str(device), head_dim, n_cols, layout.key_bits, layout.val_mode, layout.val_bits, exact)
-    key += (lazy_tau(n_cols), v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
+    key += (lazy_tau(layout, head_dim, n_cols), defer_sums(layout, head_dim, n_cols))
+    key += (v3_bytes(layout, n_cols), pair_scalars(layout, n_cols, scalars))
     key += (rotates_query(layout, head_dim, max_query_len), paged_decode.pair_tables(True, max_query_len))
     key += (byte_values(layout, max_query_len), value_rows(layout, max_query_len))
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
@@ -1270,13 +1304,14 @@ def launch(
         KASM0=kasm[0], KASM1=kasm[1], KASM2=kasm[2], KASM3=kasm[3],
         VASM0=vasm[0], VASM1=vasm[1], VASM2=vasm[2], VASM3=vasm[3],
         SPLIT=splits > 1, DOT_F32=dot_f32, PREC=prec, SINK=layout.sink, WINDOW=layout.window, BLOCK_X=16,
-        LAZY_TAU=lazy_tau(n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
+        LAZY_TAU=lazy_tau(layout, d, n_cols), V3_BYTES=v3_bytes(layout, n_cols), PAIR_SCALARS=pairs,
         QROT=rot is not None, RSQRT_D=d**-0.5, VB8=byte_values(layout, meta.max_query_len),
         VPERM=value_rows(layout, meta.max_query_len),
         PREFETCH=prefetch_pages(kp.shape[2], rot is not None and _tuned_prefetch(layout, d, meta.max_query_len)),
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
-        ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz), DEFER_SUMS=bool(DEFER_SUMS),
+        ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
+        DEFER_SUMS=defer_sums(layout, d, n_cols),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
