@@ -843,6 +843,32 @@ def test_narrow_page_rows_in_32_and_64_bits(preset, rows32, narrow_spy, monkeypa
     assert len(narrow_spy) == 2
 
 
+@pytest.mark.parametrize("defer, lazy_tau", [(True, 0.0), (False, 0.5), (True, 0.5), (True, 8.0)])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "tq3"])
+def test_narrow_decode_sums(preset, defer, lazy_tau, narrow_spy, monkeypatch):
+    """Decode steps with the softmax denominator and min-max zero terms summed after the key loop
+    (`DECODE_SUMS`' DEFER; exact-copy layouts ignore it) and / or the lazy rescale, whose small threshold
+    here makes the running maxima grow past it mid-sequence (the rare rescale branch taken), on split and
+    unsplit batches; verify steps alongside are untouched."""
+    monkeypatch.setattr(narrow, "_decode_sums", lambda layout, d, n_cols: (defer, lazy_tau > 0))
+    monkeypatch.setattr(narrow, "LAZY_TAU", lazy_tau or narrow.LAZY_TAU)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 150, 9], [1, 1, 1, 1], seed=7, num_splits=3)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 150, 9], [1, 1, 1, 1], seed=8)
+    assert len(narrow_spy) == 2
+
+
+def test_decode_sums_table(monkeypatch):
+    """`DECODE_SUMS` picks per layout for decode steps only; the A/B knob switches deferring off."""
+    assert narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 8)
+    assert not narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 32)  # verify
+    assert not narrow.defer_sums(_layout("turboquant_4bit_nc", d=64), 64, 8)
+    assert narrow.lazy_tau(_layout("tq3"), 128, 8) == narrow.LAZY_TAU
+    assert narrow.lazy_tau(_layout("tq_k4v4_nc"), 128, 8) == 0.0
+    assert narrow.lazy_tau(_layout("tq_k4v4_nc"), 128, 32) == narrow.LAZY_TAU
+    monkeypatch.setattr(narrow, "DEFER_SUMS", 0)
+    assert not narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 8)
+
+
 def test_rows32_is_the_int32_element_bound():
     from tqserve.attention.paged import rows32
 
