@@ -62,8 +62,7 @@ def checks() -> None:
 def _apply(variant: str) -> str:
     """Set decode-kernel knobs from "NAME=VALUE;narrow.NAME=VALUE" (`paged_decode`, or with the prefix
     `narrow.` those of `paged_decode_narrow`, `finish.` those of the split-K combine, `paged.` the general
-    kernel's); returns the string
-    that undoes it."""
+    kernel's); returns the string that undoes it."""
     undo = []
     for kv in filter(None, variant.split(";")):
         name, val = kv.split("=")
