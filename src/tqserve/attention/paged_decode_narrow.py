@@ -93,6 +93,8 @@ DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
     (4, CODEBOOK, 2, 128, True): (False, True),
 }
 DEFER_SUMS = 1  # 0: never defer (A/B knob)
+# Tiles wholly inside a split's causal / packed range skip the per-pair masking (`_tile_whole`; A/B knob)
+PEEL_MASK = 1
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
 # Steps whose real columns fill little more than half of the padded N (verify with a GQA group of 4:
@@ -524,7 +526,7 @@ def plan(
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
-    key += (warps, block_n, stages, maxnreg)
+    key += (bool(PEEL_MASK), warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
@@ -894,19 +896,44 @@ def _columns(c, G: tl.constexpr, BLOCK_Q: tl.constexpr, qlen, kvh, q_start, seq_
 
 
 @triton.jit
+def _tile_whole(n0, hi, q_first, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Whether every (key, column) pair of the tile at n0 is kept by `_mask_scores`: its keys are inside the
+    split and, for the program's earliest query position q_first (every column's is at least that), causal
+    and packed under the exact rule. Only a split's last tile and the tiles at the sink / window edges are
+    not."""
+    last = n0 + BLOCK_N - 1
+    whole = last < hi
+    if HAS_EXACT:
+        whole = whole & (n0 >= SINK) & (last <= q_first - WINDOW)
+    elif BLOCK_Q > 1:
+        whole = whole & (last <= q_first)
+    return whole
+
+
+@triton.jit
 def _mask_scores(
-    s, n, nmask, qpos, ksc, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr
+    s, n, nmask, qpos, ksc, whole, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_Q: tl.constexpr, PEEL: tl.constexpr,
 ):  # fmt: skip
     """Scores [keys, columns] times the keys' norms; -inf for keys past the split, in verify steps keys
     after a column's query token, and pairs the exact rule claims (a pair is packed iff n >= SINK and
-    qpos - n >= WINDOW). Padded columns have zero queries, so their scores stay finite."""
+    qpos - n >= WINDOW). Padded columns have zero queries, so their scores stay finite. With PEEL, tiles
+    `_tile_whole` finds whole (`whole`) skip the per-pair compares and selects."""
     if HAS_EXACT:
         keep = nmask[:, None] & (n[:, None] >= SINK) & (n[:, None] <= (qpos - WINDOW)[None, :])
     elif BLOCK_Q > 1:
         keep = nmask[:, None] & (n[:, None] <= qpos[None, :])
     else:
         keep = nmask[:, None]
-    return tl.where(keep, s * ksc[:, None], float("-inf"))
+    if PEEL:
+        if whole:
+            s = s * ksc[:, None]
+        else:
+            s = tl.where(keep, s * ksc[:, None], float("-inf"))
+    else:
+        s = tl.where(keep, s * ksc[:, None], float("-inf"))
+    return s
 
 
 @triton.jit
@@ -938,7 +965,7 @@ def _narrow_decode_kernel(
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
-    DEFER_SUMS: tl.constexpr,
+    DEFER_SUMS: tl.constexpr, PEEL_MASK: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1098,7 +1125,8 @@ def _narrow_decode_kernel(
             s = tl.dot(k, q7, s, input_precision=PREC)
             if N2 > 0:
                 s2 = tl.dot(k, r7, s2, input_precision=PREC)
-        s = _mask_scores(s, n, nmask, qpos, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
+        whole = _tile_whole(n0, hi, seq_len - qlen, HAS_EXACT, SINK, WINDOW, BLOCK_Q, BLOCK_N)
+        s = _mask_scores(s, n, nmask, qpos, ksc, whole, HAS_EXACT, SINK, WINDOW, BLOCK_Q, PEEL_MASK)
         if LAZY_TAU > 0:
             # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
             # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
@@ -1147,7 +1175,7 @@ def _narrow_decode_kernel(
                 a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
         pv = (p * vsc[:, None]).to(pk_t)
         if N2 > 0:
-            s2 = _mask_scores(s2, n, nmask, qpos2, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
+            s2 = _mask_scores(s2, n, nmask, qpos2, ksc, whole, HAS_EXACT, SINK, WINDOW, BLOCK_Q, PEEL_MASK)
             m_tile2 = tl.max(s2, 0)
             m_new2 = tl.maximum(m_i2, m_tile2)
             if LAZY_TAU > 0:  # (vze: the first group's min-max terms of this tile)
@@ -1311,7 +1339,7 @@ def launch(
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
-        DEFER_SUMS=defer_sums(layout, d, n_cols),
+        DEFER_SUMS=defer_sums(layout, d, n_cols), PEEL_MASK=bool(PEEL_MASK),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
