@@ -832,6 +832,47 @@ def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 6
 
 
+@pytest.mark.parametrize("peel, lanes", [(0, 1), (2, 0), (2, 1)])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "turboquant_3bit_nc"])
+def test_narrow_whole_tiles_and_lane_sums(preset, peel, lanes, narrow_spy, monkeypatch):
+    """Whole tiles without the per-pair mask (`PEEL_MASK`, here in every step) and per-lane partial sums
+    (`LANE_SUMS`) against the reference: verify steps of mixed lengths, split and unsplit, and decode
+    steps; lengths that leave partial tiles at the ends, tile edges between a request's first and last
+    query positions (30 and 62 with 5 query tokens), and (tq3) tiles at the sink and window edges."""
+    monkeypatch.setattr(narrow, "PEEL_MASK", peel)
+    monkeypatch.setattr(narrow, "LANE_SUMS", lanes)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [5, 1, 3, 5, 4], seed=9)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [5, 5, 5, 5, 5], seed=10, num_splits=3)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [1, 1, 1, 1, 1], seed=11, num_splits=3)
+    assert len(narrow_spy) == 3
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
+def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
+    """Skipping the mask on whole tiles skips only selects that keep everything: outputs bit for bit."""
+    d, hq, hkv, bs, qlen = 128, 8, 2, 16, 5
+    ctx = [300, 77, 30, 9, 62]
+    gen = torch.Generator().manual_seed(12)
+    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
+    nblocks = sum((c + qlen + bs - 1) // bs for c in ctx) + 4
+    meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=12)
+    store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
+    fill_context(store, 0, meta, ctx, gen)
+    q, k, v = (torch.randn(len(ctx) * qlen, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+    fmt.write(store.pages[0], k, v, meta.slot_mapping)
+    lay = layout_for_format(fmt, DEV)
+    outs = []
+    for peel in (0, 2):
+        monkeypatch.setattr(narrow, "PEEL_MASK", peel)
+        outs.append(
+            paged_attention(
+                q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0], num_splits=3
+            )
+        )
+    assert torch.equal(outs[0], outs[1])
+    assert len(narrow_spy) == 2
+
+
 @pytest.mark.parametrize("rows32", [0, 1])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
 def test_narrow_page_rows_in_32_and_64_bits(preset, rows32, narrow_spy, monkeypatch):

@@ -93,8 +93,14 @@ DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
     (4, CODEBOOK, 2, 128, True): (False, True),
 }
 DEFER_SUMS = 1  # 0: never defer (A/B knob)
-# Tiles wholly inside a split's causal / packed range skip the per-pair masking (`_tile_whole`; A/B knob)
+# Tiles wholly inside a split's causal / packed range skip the per-pair masking (`_tile_whole`): 0 never,
+# 1 in verify steps (where the mask compares every key with every column's position), 2 in every step.
+# Offline sm_90, 4bit_nc instructions per tile on the common path: verify 1,146 -> 1,118, decode 776 -> 766;
+# 3bit_nc and k3v4_nc decode gain nothing, tq3 decode spills at its cap.
 PEEL_MASK = 1
+# Lazy-rescale steps (verify) keep per-lane partial sums of the softmax denominator and min-max zero terms
+# (`_lane_sums`), reduced across lanes after the loop (A/B knob)
+LANE_SUMS = 1
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
 # Steps whose real columns fill little more than half of the padded N (verify with a GQA group of 4:
@@ -288,6 +294,11 @@ def eligible(layout, max_query_len: int, group: int) -> bool:
     """Decode and verify steps (up to MAX_QUERY_LEN tokens, at most MAX_COLS columns) of
     `paged_decode`-eligible layouts, with or without exact sink / window copies."""
     return ENABLED and max_query_len <= MAX_QUERY_LEN and cols(max_query_len, group) <= MAX_COLS
+
+
+def peels_mask(max_query_len: int) -> bool:
+    """Whether whole tiles skip the per-pair masking (`PEEL_MASK`)."""
+    return PEEL_MASK == 2 or (PEEL_MASK == 1 and max_query_len > 1)
 
 
 def _decode_sums(layout, head_dim: int, n_cols: int) -> tuple[bool, bool]:
@@ -526,7 +537,7 @@ def plan(
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
-    key += (bool(PEEL_MASK), warps, block_n, stages, maxnreg)
+    key += (peels_mask(max_query_len), bool(LANE_SUMS), warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
@@ -896,6 +907,13 @@ def _columns(c, G: tl.constexpr, BLOCK_Q: tl.constexpr, qlen, kvh, q_start, seq_
 
 
 @triton.jit
+def _lane_sums(x, BLOCK_N: tl.constexpr, N: tl.constexpr):
+    """x [BLOCK_N, N] summed over the key rows that a tensor-core accumulator keeps in one thread (rows
+    8 apart; key = 8 * register + lane / 4): [8, N] partial sums, no cross-lane traffic."""
+    return tl.sum(tl.reshape(x, (BLOCK_N // 8, 8, N)), 0)
+
+
+@triton.jit
 def _tile_whole(n0, hi, q_first, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Whether every (key, column) pair of the tile at n0 is kept by `_mask_scores`: its keys are inside the
@@ -965,7 +983,7 @@ def _narrow_decode_kernel(
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
-    DEFER_SUMS: tl.constexpr, PEEL_MASK: tl.constexpr,
+    DEFER_SUMS: tl.constexpr, PEEL_MASK: tl.constexpr, LANE_SUMS: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1051,6 +1069,11 @@ def _narrow_decode_kernel(
     if DEFER:
         l_acc = tl.zeros([BLOCK_N, N], dtype=tl.float32)
         v_acc = tl.zeros([BLOCK_N, N], dtype=tl.float32)
+    # LANE_SUMS (lazy steps): per-lane partial sums [8, N], reduced across lanes once after the loop
+    LANES: tl.constexpr = LANE_SUMS and LAZY_TAU > 0 and not DEFER
+    if LANES:
+        l_ln = tl.zeros([8, N], dtype=tl.float32)
+        v_ln = tl.zeros([8, N], dtype=tl.float32)
     if N2 > 0:  # the second column group: its queries (r), softmax state and accumulators (b)
         h_ok2, hq2, tok_c2, qpos2 = _columns(N + tl.arange(0, N2), G, BLOCK_Q, qlen, kvh, q_start, seq_len)
         tok2 = tok_c2[None, :] * stride_qt
@@ -1082,6 +1105,9 @@ def _narrow_decode_kernel(
             b6 = tl.zeros([KV, N2], dtype=tl.float32)
             b7 = tl.zeros([KV, N2], dtype=tl.float32)
         vsum2 = tl.zeros([N2], dtype=tl.float32)
+        if LANES:
+            l_ln2 = tl.zeros([8, N2], dtype=tl.float32)
+            v_ln2 = tl.zeros([8, N2], dtype=tl.float32)
     bt_row = bt_ptr + req * stride_bt
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -1137,6 +1163,9 @@ def _narrow_decode_kernel(
                 if DEFER:
                     l_acc = l_acc * alpha[None, :]
                     v_acc = v_acc * alpha[None, :]
+                elif LANES:
+                    l_ln = l_ln * alpha[None, :]
+                    v_ln = v_ln * alpha[None, :]
                 else:
                     l_i = l_i * alpha
                     vsum = vsum * alpha
@@ -1147,12 +1176,16 @@ def _narrow_decode_kernel(
             p = tl.exp2(s - m_i[None, :])
             if DEFER:
                 l_acc = l_acc + p
+            elif LANES:
+                l_ln = l_ln + _lane_sums(p, BLOCK_N, N)
             else:
                 l_i = l_i + tl.sum(p, 0)
             if VAL_MODE == 2:
                 vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
                 if DEFER:
                     v_acc = v_acc + p * vze[:, None]
+                elif LANES:
+                    v_ln = v_ln + _lane_sums(p * vze[:, None], BLOCK_N, N)
                 else:
                     vsum = vsum + tl.sum(p * vze[:, None], 0)
         else:
@@ -1183,9 +1216,15 @@ def _narrow_decode_kernel(
                 m_new2 = tl.where(grow2, m_new2, m_i2)
             alpha2 = tl.exp2(m_i2 - m_new2)  # 1 where a lazy group keeps its maximum
             p2 = tl.exp2(s2 - m_new2[None, :])
-            l_i2 = l_i2 * alpha2 + tl.sum(p2, 0)
+            if LANES:
+                l_ln2 = l_ln2 * alpha2[None, :] + _lane_sums(p2, BLOCK_N, N2)
+            else:
+                l_i2 = l_i2 * alpha2 + tl.sum(p2, 0)
             if VAL_MODE == 2:
-                vsum2 = vsum2 * alpha2 + tl.sum(p2 * vze[:, None], 0)
+                if LANES:
+                    v_ln2 = v_ln2 * alpha2[None, :] + _lane_sums(p2 * vze[:, None], BLOCK_N, N2)
+                else:
+                    vsum2 = vsum2 * alpha2 + tl.sum(p2 * vze[:, None], 0)
             m_i2 = m_new2
             if LAZY_TAU > 0:
                 if grow2:
@@ -1240,6 +1279,9 @@ def _narrow_decode_kernel(
     if DEFER:
         l_i = tl.sum(l_acc, 0)
         vsum = tl.sum(v_acc, 0)
+    if LANES:
+        l_i = tl.sum(l_ln, 0)
+        vsum = tl.sum(v_ln, 0)
     vs = vsum[None, :]
     inv_l = _finish_group(obase, lse_ptr + pid_s * stride_ls + tok_c * stride_lt + hq, m_i, l_i, h_ok, D, NPART, SPLIT)
     _store_cols(obase, a0 + vs, inv_l, h_ok, 0, SV, D, VPERM)
@@ -1258,6 +1300,9 @@ def _narrow_decode_kernel(
                 b0, b1, b2, b3, b4, b5, b6, b7 = _unrotate8(b0, b1, b2, b3, b4, b5, b6, b7, vr_ptr, D, VPERM, RPREC)
             else:
                 b0, b1, b2, b3 = _unrotate4(b0, b1, b2, b3, vr_ptr, D, VPERM, RPREC)
+        if LANES:
+            l_i2 = tl.sum(l_ln2, 0)
+            vsum2 = tl.sum(v_ln2, 0)
         vs2 = vsum2[None, :]
         inv_l2 = _finish_group(
             obase2, lse_ptr + pid_s * stride_ls + tok_c2 * stride_lt + hq2, m_i2, l_i2, h_ok2, D, NPART, SPLIT
@@ -1339,7 +1384,7 @@ def launch(
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
-        DEFER_SUMS=defer_sums(layout, d, n_cols), PEEL_MASK=bool(PEEL_MASK),
+        DEFER_SUMS=defer_sums(layout, d, n_cols), PEEL_MASK=peels_mask(meta.max_query_len), LANE_SUMS=bool(LANE_SUMS),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
