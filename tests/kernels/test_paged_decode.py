@@ -869,6 +869,17 @@ def test_decode_sums_table(monkeypatch):
     assert not narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 8)
 
 
+@pytest.mark.parametrize("transposed", [0, 1])
+@pytest.mark.parametrize("preset", ["tq4", "tq_k5v4_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc"])
+def test_narrow_key_planes_transposed(preset, transposed, narrow_spy, monkeypatch):
+    """3- and 5-bit key word planes gathered [keys, units] or [units, keys] and transposed in registers
+    (`paged_decode.KEY_PLANES_T`), on decode (split) and verify batches."""
+    monkeypatch.setattr(paged_decode, "KEY_PLANES_T", transposed)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9], [1, 1, 1, 1], seed=13, num_splits=3)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9], [5, 1, 3, 5], seed=14)
+    assert len(narrow_spy) == 2
+
+
 def test_rows32_is_the_int32_element_bound():
     from tqserve.attention.paged import rows32
 

@@ -524,7 +524,7 @@ def plan(
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
-    key += (warps, block_n, stages, maxnreg)
+    key += (bool(paged_decode.KEY_PLANES_T), warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
@@ -938,7 +938,7 @@ def _narrow_decode_kernel(
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
-    DEFER_SUMS: tl.constexpr,
+    DEFER_SUMS: tl.constexpr, KPT: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1060,7 +1060,7 @@ def _narrow_decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
         tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
-        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW)  # [keys, words]
+        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW, KPT)  # [keys, words]
         vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
         ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
         vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
@@ -1311,7 +1311,7 @@ def launch(
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
-        DEFER_SUMS=defer_sums(layout, d, n_cols),
+        DEFER_SUMS=defer_sums(layout, d, n_cols), KPT=bool(paged_decode.KEY_PLANES_T),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
