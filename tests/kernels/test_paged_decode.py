@@ -832,13 +832,14 @@ def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 6
 
 
-@pytest.mark.parametrize("peel, lanes", [(0, 1), (2, 0), (2, 1)])
+@pytest.mark.parametrize("peel, lanes", [(0, 2), (2, 0), (2, 2)])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "turboquant_3bit_nc"])
 def test_narrow_whole_tiles_and_lane_sums(preset, peel, lanes, narrow_spy, monkeypatch):
     """Whole tiles without the per-pair mask (`PEEL_MASK`, here in every step) and per-lane partial sums
-    (`LANE_SUMS`) against the reference: verify steps of mixed lengths, split and unsplit, and decode
-    steps; lengths that leave partial tiles at the ends, tile edges between a request's first and last
-    query positions (30 and 62 with 5 query tokens), and (tq3) tiles at the sink and window edges."""
+    (`LANE_SUMS`, here in every lazy step) against the reference: verify steps of mixed lengths, split and
+    unsplit, and decode steps; lengths that leave partial tiles at the ends, tile edges between a request's
+    first and last query positions (30 and 62 with 5 query tokens), and (tq3) tiles at the sink and window
+    edges."""
     monkeypatch.setattr(narrow, "PEEL_MASK", peel)
     monkeypatch.setattr(narrow, "LANE_SUMS", lanes)
     _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [5, 1, 3, 5, 4], seed=9)
@@ -908,6 +909,22 @@ def test_decode_sums_table(monkeypatch):
     assert narrow.lazy_tau(_layout("tq_k4v4_nc"), 128, 32) == narrow.LAZY_TAU
     monkeypatch.setattr(narrow, "DEFER_SUMS", 0)
     assert not narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 8)
+    # the A/B knobs' modes: 1 is verify steps only
+    assert not narrow.lane_sums(1) and narrow.lane_sums(5) and not narrow.peels_mask(5)
+    monkeypatch.setattr(narrow, "LANE_SUMS", 2)
+    monkeypatch.setattr(narrow, "PEEL_MASK", 1)
+    assert narrow.lane_sums(1) and narrow.peels_mask(5) and not narrow.peels_mask(1)
+
+
+@pytest.mark.parametrize("transposed", [0, 1])
+@pytest.mark.parametrize("preset", ["tq4", "tq_k5v4_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc"])
+def test_narrow_key_planes_transposed(preset, transposed, narrow_spy, monkeypatch):
+    """3- and 5-bit key word planes gathered [keys, units] or [units, keys] and transposed in registers
+    (`paged_decode.KEY_PLANES_T`), on decode (split) and verify batches."""
+    monkeypatch.setattr(paged_decode, "KEY_PLANES_T", transposed)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9], [1, 1, 1, 1], seed=13, num_splits=3)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9], [5, 1, 3, 5], seed=14)
+    assert len(narrow_spy) == 2
 
 
 def test_rows32_is_the_int32_element_bound():

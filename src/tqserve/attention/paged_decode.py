@@ -149,6 +149,12 @@ S3 = 8  # 3-bit codes: a 24-bit group of 8 (3 bytes of the bit stream), narrow k
 # 3.389 (3.0x), 1 x 128K 0.162 / 0.429, verify 32 x 5 x 32K 1.356 / 3.789. sm_90: 1,212 instructions per
 # 32-key tile, no spills (tq3: 944). 0 sends 5-bit keys to the general kernel.
 NARROW_KEYS5 = 1
+# 3- and 5-bit key words gathered [units, keys] (lanes over 4 units x 8 keys: each scalar copy touches 8 token
+# records, not 32) and transposed in registers (`_words`' KT) by the narrow kernel. The instruction count stays
+# (tq4 1,197 -> 1,204 per tile offline) but the gathers touch a quarter of the L1 wavefronts. H200, 32 x 32K
+# decode, ms off / on: tq4 1.117 / 1.016, tq_k5v4_nc 0.750 / 0.661, k3v4_nc 0.496 / 0.461, 3bit_nc 0.839 /
+# 0.838 (verify 1.060 / 1.020); 0 is the A/B baseline (docs/benchmarks.md, thirtieth session).
+KEY_PLANES_T = 1
 
 
 def slices(bits: int) -> int:
@@ -515,7 +521,15 @@ def _asm_slice4(w, ASM: tl.constexpr):
 
 @triton.jit
 def _words(
-    ptr, tokp, nmask, BITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr, TRANS: tl.constexpr, RAW: tl.constexpr
+    ptr,
+    tokp,
+    nmask,
+    BITS: tl.constexpr,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    TRANS: tl.constexpr,
+    RAW: tl.constexpr,
+    KT: tl.constexpr = False,
 ):
     """Packed words of S indices each (an int8 word of 2-bit codes, an int16 word of 4-bit codes):
     [D // S, BN] (TRANS) or [BN, D // S] int32; RAW keeps the loaded int16 words (the PRMT path packs
@@ -536,9 +550,11 @@ def _words(
         m = nmask[:, None]
     if BITS == 5:  # 5-bit codes: 40-bit groups of 8 (S = 8) as [BN, K, 2] halves, [BN, ..] only (keys)
         tl.static_assert(not TRANS)
-        w = _groups5(ptr, row, nmask, K, NB)
+        w = _groups5(ptr, row, nmask, K, NB, KT)
     elif WB == 3 and RAW == 3:  # 3-bit codes (S = 8) as bytes, [K, BN] only (min-max values)
         w = _groups3_bytes(ptr, row, nmask, K, NB)
+    elif WB == 3 and not TRANS and KT:  # 3-bit keys loaded [K, BN] (lanes over groups), used [BN, K]
+        w = tl.trans(_groups3(ptr, tokp[None, :], nmask, K, NB, True))
     elif WB == 3:  # 3-bit codes (S = 8)
         w = _groups3(ptr, row, nmask, K, NB, TRANS)
     elif WB == 1:
@@ -586,21 +602,30 @@ def _groups3(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, TRANS: tl.const
 
 
 @triton.jit
-def _groups5(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr):
+def _groups5(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr = False):
     """5-bit codes: the token's K groups of 8 codes (40 stream bits each, little-endian) as int32 halves
     [BN, K, 2]: [.., 0] holds codes 0-3 of the group in its low 20 bits, [.., 1] codes 4-7. Words 5u .. 5u + 4
     hold groups 4u .. 4u + 3; two levels of joins, as `_groups3`'s. Bits above a half's 20 are left as they
     come (every decoder takes 5 bits of a shifted half)."""
     wp = ptr.to(tl.pointer_type(tl.int32))
     U: tl.constexpr = K // 4
-    base = wp + row * (NB // 4) + 5 * tl.arange(0, U)[None, :]
-    m = nmask[:, None]
     # logical shifts of the int32 words (the top bits of a right shift must be zeros, not signs)
-    a = tl.load(base, mask=m, other=0).to(tl.uint32, bitcast=True)
-    b = tl.load(base + 1, mask=m, other=0).to(tl.uint32, bitcast=True)
-    c = tl.load(base + 2, mask=m, other=0).to(tl.uint32, bitcast=True)
-    d = tl.load(base + 3, mask=m, other=0).to(tl.uint32, bitcast=True)
-    e = tl.load(base + 4, mask=m, other=0).to(tl.uint32, bitcast=True)
+    if KT:  # loaded [U, BN] (lanes over units and keys), used [BN, U]
+        base = wp + tl.trans(row) * (NB // 4) + 5 * tl.arange(0, U)[:, None]
+        m = nmask[None, :]
+        a = tl.trans(tl.load(base, mask=m, other=0)).to(tl.uint32, bitcast=True)
+        b = tl.trans(tl.load(base + 1, mask=m, other=0)).to(tl.uint32, bitcast=True)
+        c = tl.trans(tl.load(base + 2, mask=m, other=0)).to(tl.uint32, bitcast=True)
+        d = tl.trans(tl.load(base + 3, mask=m, other=0)).to(tl.uint32, bitcast=True)
+        e = tl.trans(tl.load(base + 4, mask=m, other=0)).to(tl.uint32, bitcast=True)
+    else:
+        base = wp + row * (NB // 4) + 5 * tl.arange(0, U)[None, :]
+        m = nmask[:, None]
+        a = tl.load(base, mask=m, other=0).to(tl.uint32, bitcast=True)
+        b = tl.load(base + 1, mask=m, other=0).to(tl.uint32, bitcast=True)
+        c = tl.load(base + 2, mask=m, other=0).to(tl.uint32, bitcast=True)
+        d = tl.load(base + 3, mask=m, other=0).to(tl.uint32, bitcast=True)
+        e = tl.load(base + 4, mask=m, other=0).to(tl.uint32, bitcast=True)
     # the 20-bit halves h0 .. h7 of the unit's 4 groups (stream bits 20 k ..)
     h0 = a
     h1 = (a >> 20) | (b << 12)

@@ -95,11 +95,14 @@ DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
 DEFER_SUMS = 1  # 0: never defer (A/B knob)
 # Tiles wholly inside a split's causal / packed range skip the per-pair masking (`_tile_whole`): 0 never,
 # 1 in verify steps (where the mask compares every key with every column's position), 2 in every step.
-# Offline sm_90, 4bit_nc instructions per tile on the common path: verify 1,146 -> 1,118, decode 776 -> 766;
-# 3bit_nc and k3v4_nc decode gain nothing, tq3 decode spills at its cap.
-PEEL_MASK = 1
-# Lazy-rescale steps (verify) keep per-lane partial sums of the softmax denominator and min-max zero terms
-# (`_lane_sums`), reduced across lanes after the loop (A/B knob)
+# Offline sm_90 this saves instructions (4bit_nc verify 1,146 -> 1,118 per tile), yet on the H200 the two tile
+# paths cost more than the mask: 32 x 5 x 32K verify, 4bit_nc 0.629 ms at 0 / 0.652 at 1, tq3 0.684 / 0.700;
+# 2 slows decode by 4-9%. Off; kept as an A/B knob.
+PEEL_MASK = 0
+# Lazy-rescale steps keep per-lane partial sums of the softmax denominator and min-max zero terms
+# (`_lane_sums`), reduced across lanes after the loop: 0 never, 1 in verify steps, 2 in lazy decode steps too.
+# H200 32 x 5 x 32K verify, ms off / on: 4bit_nc 0.668 / 0.629, tq3 0.736 / 0.684, k3v4_nc 0.742 / 0.672,
+# 3bit_nc 1.116 / 1.061; tq3's lazy decode steps lose 1% with them (0.4324 / 0.4364).
 LANE_SUMS = 1
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
@@ -299,6 +302,11 @@ def eligible(layout, max_query_len: int, group: int) -> bool:
 def peels_mask(max_query_len: int) -> bool:
     """Whether whole tiles skip the per-pair masking (`PEEL_MASK`)."""
     return PEEL_MASK == 2 or (PEEL_MASK == 1 and max_query_len > 1)
+
+
+def lane_sums(max_query_len: int) -> bool:
+    """Whether lazy steps keep per-lane partial sums (`LANE_SUMS`)."""
+    return LANE_SUMS == 2 or (LANE_SUMS == 1 and max_query_len > 1)
 
 
 def _decode_sums(layout, head_dim: int, n_cols: int) -> tuple[bool, bool]:
@@ -537,7 +545,8 @@ def plan(
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
-    key += (peels_mask(max_query_len), bool(LANE_SUMS), warps, block_n, stages, maxnreg)
+    key += (peels_mask(max_query_len), lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
+    key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
@@ -983,7 +992,7 @@ def _narrow_decode_kernel(
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
-    DEFER_SUMS: tl.constexpr, PEEL_MASK: tl.constexpr, LANE_SUMS: tl.constexpr,
+    DEFER_SUMS: tl.constexpr, PEEL_MASK: tl.constexpr, LANE_SUMS: tl.constexpr, KPT: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1113,7 +1122,7 @@ def _narrow_decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
         tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
-        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW)  # [keys, words]
+        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW, KPT)  # [keys, words]
         vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
         ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
         vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
@@ -1384,7 +1393,8 @@ def launch(
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
-        DEFER_SUMS=defer_sums(layout, d, n_cols), PEEL_MASK=peels_mask(meta.max_query_len), LANE_SUMS=bool(LANE_SUMS),
+        DEFER_SUMS=defer_sums(layout, d, n_cols), PEEL_MASK=peels_mask(meta.max_query_len),
+        LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
