@@ -850,7 +850,8 @@ def test_narrow_whole_tiles_and_lane_sums(preset, peel, lanes, narrow_spy, monke
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
 def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
-    """Skipping the mask on whole tiles skips only selects that keep everything: outputs bit for bit."""
+    """Skipping the mask on whole tiles, in the loop (`PEEL_MASK`) or by a loop of their own (`TAIL_MASK`),
+    skips only selects that keep everything: outputs bit for bit."""
     d, hq, hkv, bs, qlen = 128, 8, 2, 16, 5
     ctx = [300, 77, 30, 9, 62]
     gen = torch.Generator().manual_seed(12)
@@ -863,15 +864,31 @@ def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
     fmt.write(store.pages[0], k, v, meta.slot_mapping)
     lay = layout_for_format(fmt, DEV)
     outs = []
-    for peel in (0, 2):
+    for peel, tail in ((0, 0), (2, 0), (0, 2)):
         monkeypatch.setattr(narrow, "PEEL_MASK", peel)
+        monkeypatch.setattr(narrow, "TAIL_MASK", tail)
         outs.append(
             paged_attention(
                 q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0], num_splits=3
             )
         )
-    assert torch.equal(outs[0], outs[1])
-    assert len(narrow_spy) == 2
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert len(narrow_spy) == 3
+
+
+@pytest.mark.parametrize("tail", [0, 2])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "turboquant_3bit_nc"])
+def test_narrow_tail_loops(preset, tail, narrow_spy, monkeypatch):
+    """A split's whole tiles in a loop without masks, and the tiles before and after them (sink edge,
+    window, causal, partial) in loops that mask (`TAIL_MASK`; 2: decode steps too; the default, verify steps
+    only, runs in every other test), or one masked loop (0), against the reference: split and unsplit verify
+    steps whose first and last query positions straddle tile edges (30 and 62 with 5 tokens), one-tile
+    requests, decode steps."""
+    monkeypatch.setattr(narrow, "TAIL_MASK", tail)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [5, 1, 3, 5, 4], seed=15)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [5, 5, 5, 5, 5], seed=16, num_splits=3)
+    _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [1, 1, 1, 1, 1], seed=17, num_splits=3)
+    assert len(narrow_spy) == 3
 
 
 @pytest.mark.parametrize("rows32", [0, 1])
@@ -914,6 +931,9 @@ def test_decode_sums_table(monkeypatch):
     monkeypatch.setattr(narrow, "LANE_SUMS", 2)
     monkeypatch.setattr(narrow, "PEEL_MASK", 1)
     assert narrow.lane_sums(1) and narrow.peels_mask(5) and not narrow.peels_mask(1)
+    assert narrow.tail_mask(5) and not narrow.tail_mask(1)
+    monkeypatch.setattr(narrow, "TAIL_MASK", 2)
+    assert narrow.tail_mask(1)
 
 
 @pytest.mark.parametrize("transposed", [0, 1])

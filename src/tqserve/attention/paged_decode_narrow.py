@@ -104,6 +104,11 @@ PEEL_MASK = 0
 # H200 32 x 5 x 32K verify, ms off / on: 4bit_nc 0.668 / 0.629, tq3 0.736 / 0.684, k3v4_nc 0.742 / 0.672,
 # 3bit_nc 1.116 / 1.061; tq3's lazy decode steps lose 1% with them (0.4324 / 0.4364).
 LANE_SUMS = 1
+# A split's whole tiles in a loop without per-pair masks, its last (partial or causal) tiles in a second loop
+# that masks (and, with exact copies, the sink-edge tiles in a third): 0 never, 1 in verify steps, 2 in every
+# step. Offline sm_90, 4bit_nc instructions per 32-key tile: verify 1,072 -> 1,026 on the common path;
+# decode (whose only mask is the split's end) 776 -> 775, with 8 spill instructions at its 128-register cap.
+TAIL_MASK = 1
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
 # Steps whose real columns fill little more than half of the padded N (verify with a GQA group of 4:
@@ -307,6 +312,11 @@ def peels_mask(max_query_len: int) -> bool:
 def lane_sums(max_query_len: int) -> bool:
     """Whether lazy steps keep per-lane partial sums (`LANE_SUMS`)."""
     return LANE_SUMS == 2 or (LANE_SUMS == 1 and max_query_len > 1)
+
+
+def tail_mask(max_query_len: int) -> bool:
+    """Whether a split's whole tiles run in a loop without masks (`TAIL_MASK`)."""
+    return TAIL_MASK == 2 or (TAIL_MASK == 1 and max_query_len > 1)
 
 
 def _decode_sums(layout, head_dim: int, n_cols: int) -> tuple[bool, bool]:
@@ -546,6 +556,7 @@ def plan(
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (peels_mask(max_query_len), lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
+    key += (tail_mask(max_query_len),)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -993,6 +1004,7 @@ def _narrow_decode_kernel(
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
     DEFER_SUMS: tl.constexpr, PEEL_MASK: tl.constexpr, LANE_SUMS: tl.constexpr, KPT: tl.constexpr,
+    TAIL_MASK: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1118,167 +1130,198 @@ def _narrow_decode_kernel(
             l_ln2 = tl.zeros([8, N2], dtype=tl.float32)
             v_ln2 = tl.zeros([8, N2], dtype=tl.float32)
     bt_row = bt_ptr + req * stride_bt
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
-        kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW, KPT)  # [keys, words]
-        vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
-        ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
-        vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
-        # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
-        k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t)
-        s = tl.dot(k, q0, input_precision=PREC)
-        if N2 > 0:
-            s2 = tl.dot(k, r0, input_precision=PREC)
-        k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t)
-        s = tl.dot(k, q1, s, input_precision=PREC)
-        if N2 > 0:
-            s2 = tl.dot(k, r1, s2, input_precision=PREC)
-        k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t)
-        s = tl.dot(k, q2, s, input_precision=PREC)
-        if N2 > 0:
-            s2 = tl.dot(k, r2, s2, input_precision=PREC)
-        k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t)
-        s = tl.dot(k, q3, s, input_precision=PREC)
-        if N2 > 0:
-            s2 = tl.dot(k, r3, s2, input_precision=PREC)
-        if SK == 8:
-            k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t)
-            s = tl.dot(k, q4, s, input_precision=PREC)
+    # TAIL_MASK: a split's whole tiles (`_tile_whole`: inside the split, in verify steps before every column's
+    # query token, with exact copies past the sinks and before the window) run in a loop without per-pair
+    # masks; the tiles before them (exact copies: the sink edge, in the split holding position 0) and after
+    # them (the partial last one, the causal and window ones) in unpipelined loops that mask. Phases: 0 the
+    # head [lo, w_lo) (exact copies only), 1 the whole tiles [w_lo, w_hi), 2 the tail [w_hi, hi).
+    if TAIL_MASK:
+        w_lo = lo
+        w_end = tl.minimum(hi, seq_len - qlen + 1)  # whole tiles end at or before this key
+        if HAS_EXACT:
+            w_lo = tl.maximum(lo, tl.minimum(hi, lo + tl.cdiv(SINK - lo, BLOCK_N) * BLOCK_N))
+            w_end = tl.minimum(hi, seq_len - qlen - WINDOW + 1)
+        w_hi = tl.maximum(w_lo, w_lo + tl.maximum(w_end - w_lo, 0) // BLOCK_N * BLOCK_N)
+    for ph in tl.static_range(0 if TAIL_MASK and HAS_EXACT else 1, 3 if TAIL_MASK else 2):
+        if not TAIL_MASK:
+            t_lo = lo
+            t_hi = hi
+        elif ph == 0:
+            t_lo = lo
+            t_hi = w_lo
+        elif ph == 1:
+            t_lo = w_lo
+            t_hi = w_hi
+        else:
+            t_lo = w_hi
+            t_hi = hi
+        for n0 in tl.range(t_lo, t_hi, BLOCK_N, num_stages=None if ph == 1 else 1):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < hi
+            tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
+            kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW, KPT)  # [keys, words]
+            vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
+            ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
+            vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
+            # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
+            k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            s = tl.dot(k, q0, input_precision=PREC)
             if N2 > 0:
-                s2 = tl.dot(k, r4, s2, input_precision=PREC)
-            k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM0, pk_t)
-            s = tl.dot(k, q5, s, input_precision=PREC)
+                s2 = tl.dot(k, r0, input_precision=PREC)
+            k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t)
+            s = tl.dot(k, q1, s, input_precision=PREC)
             if N2 > 0:
-                s2 = tl.dot(k, r5, s2, input_precision=PREC)
-            k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM0, pk_t)
-            s = tl.dot(k, q6, s, input_precision=PREC)
+                s2 = tl.dot(k, r1, s2, input_precision=PREC)
+            k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t)
+            s = tl.dot(k, q2, s, input_precision=PREC)
             if N2 > 0:
-                s2 = tl.dot(k, r6, s2, input_precision=PREC)
-            k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM0, pk_t)
-            s = tl.dot(k, q7, s, input_precision=PREC)
+                s2 = tl.dot(k, r2, s2, input_precision=PREC)
+            k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t)
+            s = tl.dot(k, q3, s, input_precision=PREC)
             if N2 > 0:
-                s2 = tl.dot(k, r7, s2, input_precision=PREC)
-        whole = _tile_whole(n0, hi, seq_len - qlen, HAS_EXACT, SINK, WINDOW, BLOCK_Q, BLOCK_N)
-        s = _mask_scores(s, n, nmask, qpos, ksc, whole, HAS_EXACT, SINK, WINDOW, BLOCK_Q, PEEL_MASK)
-        if LAZY_TAU > 0:
-            # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
-            # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
-            m_tile = tl.max(s, 0)
-            if tl.max(m_tile - m_i, 0) > LAZY_TAU:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - m_new)
+                s2 = tl.dot(k, r3, s2, input_precision=PREC)
+            if SK == 8:
+                k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t)
+                s = tl.dot(k, q4, s, input_precision=PREC)
+                if N2 > 0:
+                    s2 = tl.dot(k, r4, s2, input_precision=PREC)
+                k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM0, pk_t)
+                s = tl.dot(k, q5, s, input_precision=PREC)
+                if N2 > 0:
+                    s2 = tl.dot(k, r5, s2, input_precision=PREC)
+                k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM0, pk_t)
+                s = tl.dot(k, q6, s, input_precision=PREC)
+                if N2 > 0:
+                    s2 = tl.dot(k, r6, s2, input_precision=PREC)
+                k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM0, pk_t)
+                s = tl.dot(k, q7, s, input_precision=PREC)
+                if N2 > 0:
+                    s2 = tl.dot(k, r7, s2, input_precision=PREC)
+            whole = _tile_whole(n0, hi, seq_len - qlen, HAS_EXACT, SINK, WINDOW, BLOCK_Q, BLOCK_N)
+            if TAIL_MASK and ph == 1:  # a whole tile
+                s = s * ksc[:, None]
+            else:
+                s = _mask_scores(s, n, nmask, qpos, ksc, whole, HAS_EXACT, SINK, WINDOW, BLOCK_Q, PEEL_MASK)
+            if LAZY_TAU > 0:
+                # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
+                # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
+                m_tile = tl.max(s, 0)
+                if tl.max(m_tile - m_i, 0) > LAZY_TAU:
+                    m_new = tl.maximum(m_i, m_tile)
+                    alpha = tl.exp2(m_i - m_new)
+                    if DEFER:
+                        l_acc = l_acc * alpha[None, :]
+                        v_acc = v_acc * alpha[None, :]
+                    elif LANES:
+                        l_ln = l_ln * alpha[None, :]
+                        v_ln = v_ln * alpha[None, :]
+                    else:
+                        l_i = l_i * alpha
+                        vsum = vsum * alpha
+                    a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
+                    if SV == 8:
+                        a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
+                    m_i = m_new
+                p = tl.exp2(s - m_i[None, :])
                 if DEFER:
-                    l_acc = l_acc * alpha[None, :]
-                    v_acc = v_acc * alpha[None, :]
+                    l_acc = l_acc + p
                 elif LANES:
-                    l_ln = l_ln * alpha[None, :]
-                    v_ln = v_ln * alpha[None, :]
+                    l_ln = l_ln + _lane_sums(p, BLOCK_N, N)
                 else:
-                    l_i = l_i * alpha
-                    vsum = vsum * alpha
+                    l_i = l_i + tl.sum(p, 0)
+                if VAL_MODE == 2:
+                    vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
+                    if DEFER:
+                        v_acc = v_acc + p * vze[:, None]
+                    elif LANES:
+                        v_ln = v_ln + _lane_sums(p * vze[:, None], BLOCK_N, N)
+                    else:
+                        vsum = vsum + tl.sum(p * vze[:, None], 0)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 0))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[None, :])
+                m_i = m_new
+                if DEFER:
+                    l_acc = l_acc * alpha[None, :] + p
+                else:
+                    l_i = l_i * alpha + tl.sum(p, 0)
+                if VAL_MODE == 2:
+                    vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
+                    if DEFER:
+                        v_acc = v_acc * alpha[None, :] + p * vze[:, None]
+                    else:
+                        vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
                 a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
                 if SV == 8:
                     a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
-                m_i = m_new
-            p = tl.exp2(s - m_i[None, :])
-            if DEFER:
-                l_acc = l_acc + p
-            elif LANES:
-                l_ln = l_ln + _lane_sums(p, BLOCK_N, N)
-            else:
-                l_i = l_i + tl.sum(p, 0)
-            if VAL_MODE == 2:
-                vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
-                if DEFER:
-                    v_acc = v_acc + p * vze[:, None]
-                elif LANES:
-                    v_ln = v_ln + _lane_sums(p * vze[:, None], BLOCK_N, N)
+            pv = (p * vsc[:, None]).to(pk_t)
+            if N2 > 0:
+                if TAIL_MASK and ph == 1:  # a whole tile
+                    s2 = s2 * ksc[:, None]
                 else:
-                    vsum = vsum + tl.sum(p * vze[:, None], 0)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            m_i = m_new
-            if DEFER:
-                l_acc = l_acc * alpha[None, :] + p
-            else:
-                l_i = l_i * alpha + tl.sum(p, 0)
-            if VAL_MODE == 2:
-                vsc, vze = _mm_terms(vsc, _scalars(vz_ptr, tokp, nmask, PAIR_SCALARS), VAL_BITS)
-                if DEFER:
-                    v_acc = v_acc * alpha[None, :] + p * vze[:, None]
-                else:
-                    vsum = vsum * alpha + tl.sum(p * vze[:, None], 0)
-            a0, a1, a2, a3 = _scale4(a0, a1, a2, a3, alpha)
-            if SV == 8:
-                a4, a5, a6, a7 = _scale4(a4, a5, a6, a7, alpha)
-        pv = (p * vsc[:, None]).to(pk_t)
-        if N2 > 0:
-            s2 = _mask_scores(s2, n, nmask, qpos2, ksc, whole, HAS_EXACT, SINK, WINDOW, BLOCK_Q, PEEL_MASK)
-            m_tile2 = tl.max(s2, 0)
-            m_new2 = tl.maximum(m_i2, m_tile2)
-            if LAZY_TAU > 0:  # (vze: the first group's min-max terms of this tile)
-                grow2 = tl.max(m_tile2 - m_i2, 0) > LAZY_TAU
-                m_new2 = tl.where(grow2, m_new2, m_i2)
-            alpha2 = tl.exp2(m_i2 - m_new2)  # 1 where a lazy group keeps its maximum
-            p2 = tl.exp2(s2 - m_new2[None, :])
-            if LANES:
-                l_ln2 = l_ln2 * alpha2[None, :] + _lane_sums(p2, BLOCK_N, N2)
-            else:
-                l_i2 = l_i2 * alpha2 + tl.sum(p2, 0)
-            if VAL_MODE == 2:
+                    s2 = _mask_scores(s2, n, nmask, qpos2, ksc, whole, HAS_EXACT, SINK, WINDOW, BLOCK_Q, PEEL_MASK)
+                m_tile2 = tl.max(s2, 0)
+                m_new2 = tl.maximum(m_i2, m_tile2)
+                if LAZY_TAU > 0:  # (vze: the first group's min-max terms of this tile)
+                    grow2 = tl.max(m_tile2 - m_i2, 0) > LAZY_TAU
+                    m_new2 = tl.where(grow2, m_new2, m_i2)
+                alpha2 = tl.exp2(m_i2 - m_new2)  # 1 where a lazy group keeps its maximum
+                p2 = tl.exp2(s2 - m_new2[None, :])
                 if LANES:
-                    v_ln2 = v_ln2 * alpha2[None, :] + _lane_sums(p2 * vze[:, None], BLOCK_N, N2)
+                    l_ln2 = l_ln2 * alpha2[None, :] + _lane_sums(p2, BLOCK_N, N2)
                 else:
-                    vsum2 = vsum2 * alpha2 + tl.sum(p2 * vze[:, None], 0)
-            m_i2 = m_new2
-            if LAZY_TAU > 0:
-                if grow2:
+                    l_i2 = l_i2 * alpha2 + tl.sum(p2, 0)
+                if VAL_MODE == 2:
+                    if LANES:
+                        v_ln2 = v_ln2 * alpha2[None, :] + _lane_sums(p2 * vze[:, None], BLOCK_N, N2)
+                    else:
+                        vsum2 = vsum2 * alpha2 + tl.sum(p2 * vze[:, None], 0)
+                m_i2 = m_new2
+                if LAZY_TAU > 0:
+                    if grow2:
+                        b0, b1, b2, b3 = _scale4(b0, b1, b2, b3, alpha2)
+                        if SV == 8:
+                            b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
+                else:
                     b0, b1, b2, b3 = _scale4(b0, b1, b2, b3, alpha2)
                     if SV == 8:
                         b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
-            else:
-                b0, b1, b2, b3 = _scale4(b0, b1, b2, b3, alpha2)
-                if SV == 8:
-                    b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
-            pv2 = (p2 * vsc[:, None]).to(pk_t)
-        # each decoded value slice serves both column groups
-        v = _value_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-        a0 = tl.dot(v, pv, a0, input_precision=PREC)
-        if N2 > 0:
-            b0 = tl.dot(v, pv2, b0, input_precision=PREC)
-        v = _value_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, VB8)
-        a1 = tl.dot(v, pv, a1, input_precision=PREC)
-        if N2 > 0:
-            b1 = tl.dot(v, pv2, b1, input_precision=PREC)
-        v = _value_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, VB8)
-        a2 = tl.dot(v, pv, a2, input_precision=PREC)
-        if N2 > 0:
-            b2 = tl.dot(v, pv2, b2, input_precision=PREC)
-        v = _value_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, VB8)
-        a3 = tl.dot(v, pv, a3, input_precision=PREC)
-        if N2 > 0:
-            b3 = tl.dot(v, pv2, b3, input_precision=PREC)
-        if SV == 8:
-            v = _value_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-            a4 = tl.dot(v, pv, a4, input_precision=PREC)
+                pv2 = (p2 * vsc[:, None]).to(pk_t)
+            # each decoded value slice serves both column groups
+            v = _value_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+            a0 = tl.dot(v, pv, a0, input_precision=PREC)
             if N2 > 0:
-                b4 = tl.dot(v, pv2, b4, input_precision=PREC)
-            v = _value_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-            a5 = tl.dot(v, pv, a5, input_precision=PREC)
+                b0 = tl.dot(v, pv2, b0, input_precision=PREC)
+            v = _value_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, VB8)
+            a1 = tl.dot(v, pv, a1, input_precision=PREC)
             if N2 > 0:
-                b5 = tl.dot(v, pv2, b5, input_precision=PREC)
-            v = _value_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-            a6 = tl.dot(v, pv, a6, input_precision=PREC)
+                b1 = tl.dot(v, pv2, b1, input_precision=PREC)
+            v = _value_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, VB8)
+            a2 = tl.dot(v, pv, a2, input_precision=PREC)
             if N2 > 0:
-                b6 = tl.dot(v, pv2, b6, input_precision=PREC)
-            v = _value_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
-            a7 = tl.dot(v, pv, a7, input_precision=PREC)
+                b2 = tl.dot(v, pv2, b2, input_precision=PREC)
+            v = _value_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, VB8)
+            a3 = tl.dot(v, pv, a3, input_precision=PREC)
             if N2 > 0:
-                b7 = tl.dot(v, pv2, b7, input_precision=PREC)
+                b3 = tl.dot(v, pv2, b3, input_precision=PREC)
+            if SV == 8:
+                v = _value_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+                a4 = tl.dot(v, pv, a4, input_precision=PREC)
+                if N2 > 0:
+                    b4 = tl.dot(v, pv2, b4, input_precision=PREC)
+                v = _value_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+                a5 = tl.dot(v, pv, a5, input_precision=PREC)
+                if N2 > 0:
+                    b5 = tl.dot(v, pv2, b5, input_precision=PREC)
+                v = _value_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+                a6 = tl.dot(v, pv, a6, input_precision=PREC)
+                if N2 > 0:
+                    b6 = tl.dot(v, pv2, b6, input_precision=PREC)
+                v = _value_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+                a7 = tl.dot(v, pv, a7, input_precision=PREC)
+                if N2 > 0:
+                    b7 = tl.dot(v, pv2, b7, input_precision=PREC)
 
     if VROT:  # codebook values: out of the rotated space before the split's partial is written
         if SV == 8:
@@ -1395,6 +1438,7 @@ def launch(
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
         DEFER_SUMS=defer_sums(layout, d, n_cols), PEEL_MASK=peels_mask(meta.max_query_len),
         LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
+        TAIL_MASK=tail_mask(meta.max_query_len),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
