@@ -851,7 +851,8 @@ def test_narrow_whole_tiles_and_lane_sums(preset, peel, lanes, narrow_spy, monke
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
 def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
     """Skipping the mask on whole tiles, in the loop (`PEEL_MASK`) or by a loop of their own (`TAIL_MASK`),
-    skips only selects that keep everything: outputs bit for bit."""
+    skips only selects that keep everything: outputs bit for bit (`TAIL_MASK` on the GPU: within one bf16
+    rounding, as the H200 showed in the thirtieth session)."""
     d, hq, hkv, bs, qlen = 128, 8, 2, 16, 5
     ctx = [300, 77, 30, 9, 62]
     gen = torch.Generator().manual_seed(12)
@@ -872,7 +873,11 @@ def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
                 q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0], num_splits=3
             )
         )
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], outs[1])
+    if DEV.type == "cpu":  # the interpreter runs the same float32 operations either way
+        assert torch.equal(outs[0], outs[2])
+    else:  # ptxas may fuse an unmasked loop's norm multiply into the softmax's subtract (one rounding less)
+        torch.testing.assert_close(outs[2], outs[0], rtol=2**-7, atol=1e-4)
     assert len(narrow_spy) == 3
 
 
@@ -880,8 +885,8 @@ def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "turboquant_3bit_nc"])
 def test_narrow_tail_loops(preset, tail, narrow_spy, monkeypatch):
     """A split's whole tiles in a loop without masks, and the tiles before and after them (sink edge,
-    window, causal, partial) in loops that mask (`TAIL_MASK`; 2: decode steps too; the default, verify steps
-    only, runs in every other test), or one masked loop (0), against the reference: split and unsplit verify
+    window, causal, partial) in loops that mask (`TAIL_MASK`; 2: exact-copy layouts too; the default, 1, runs
+    in every other test), or one masked loop (0), against the reference: split and unsplit verify
     steps whose first and last query positions straddle tile edges (30 and 62 with 5 tokens), one-tile
     requests, decode steps."""
     monkeypatch.setattr(narrow, "TAIL_MASK", tail)
@@ -931,9 +936,9 @@ def test_decode_sums_table(monkeypatch):
     monkeypatch.setattr(narrow, "LANE_SUMS", 2)
     monkeypatch.setattr(narrow, "PEEL_MASK", 1)
     assert narrow.lane_sums(1) and narrow.peels_mask(5) and not narrow.peels_mask(1)
-    assert narrow.tail_mask(5) and not narrow.tail_mask(1)
+    assert narrow.tail_mask(_layout("turboquant_4bit_nc")) and not narrow.tail_mask(_layout("tq3"))
     monkeypatch.setattr(narrow, "TAIL_MASK", 2)
-    assert narrow.tail_mask(1)
+    assert narrow.tail_mask(_layout("tq3"))
 
 
 @pytest.mark.parametrize("transposed", [0, 1])
