@@ -65,6 +65,27 @@ def _layout(preset: str, hkv: int = 2, d: int = 128):
     return layout_for_format(make_layer_format(preset, 3, hkv, d, torch.bfloat16), DEV)
 
 
+def _layer_step(preset: str, ctx: list[int], qlen: int, seed: int, hq: int = 8, hkv: int = 2, d: int = 128, bs=16):
+    """One layer's pages filled with random context and this step's K / V (qlen tokens per request) written;
+    returns the step's attention as a function of the split count (None: planned)."""
+    gen = torch.Generator().manual_seed(seed)
+    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
+    nblocks = sum((c + qlen + bs - 1) // bs for c in ctx) + 4
+    meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=seed)
+    store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
+    fill_context(store, 0, meta, ctx, gen)
+    q, k, v = (torch.randn(len(ctx) * qlen, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
+    fmt.write(store.pages[0], k, v, meta.slot_mapping)
+    lay = layout_for_format(fmt, DEV)
+
+    def run(splits: int | None):
+        return paged_attention(
+            q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0], num_splits=splits
+        )
+
+    return run
+
+
 def test_eligibility(monkeypatch):
     def lay(preset, d=128):
         return _layout(preset, 2, d)
@@ -802,23 +823,8 @@ def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
     """The L2 prefetch of each program's first pages is a hint: outputs bit for bit those without it, for
     requests shorter than one prefetch, longer ones split many ways, and a request the exact copies
     cover entirely (tq3)."""
-    d, hq, hkv, bs = 128, 32, 8, 16
-    ctx = [9000, 40, 3, 1500]
-    gen = torch.Generator().manual_seed(11)
-    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
-    nblocks = sum((c + qlen + bs - 1) // bs for c in ctx) + 4
-    meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=11)
-    store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
-    fill_context(store, 0, meta, ctx, gen)
-    q, k, v = (torch.randn(len(ctx) * qlen, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
-    fmt.write(store.pages[0], k, v, meta.slot_mapping)
-    lay = layout_for_format(fmt, DEV)
-
-    def run(splits):
-        return paged_attention(
-            q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0], num_splits=splits
-        )
-
+    bs = 16
+    run = _layer_step(preset, [9000, 40, 3, 1500], qlen, 11, hq=32, hkv=8, bs=bs)
     outs = []
     monkeypatch.setattr(narrow, "QROT_EXACT_DECODE", 0)  # (its steps prefetch whatever PREFETCH says)
     for pf in (0, 1):
@@ -853,26 +859,12 @@ def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
     """Skipping the mask on whole tiles, in the loop (`PEEL_MASK`) or by a loop of their own (`TAIL_MASK`),
     skips only selects that keep everything: outputs bit for bit (`TAIL_MASK` on the GPU: within one bf16
     rounding, as the H200 showed in the thirtieth session)."""
-    d, hq, hkv, bs, qlen = 128, 8, 2, 16, 5
-    ctx = [300, 77, 30, 9, 62]
-    gen = torch.Generator().manual_seed(12)
-    fmt = make_layer_format(preset, 3, hkv, d, torch.bfloat16)
-    nblocks = sum((c + qlen + bs - 1) // bs for c in ctx) + 4
-    meta = make_meta(ctx, [qlen] * len(ctx), bs, nblocks, DEV, seed=12)
-    store = KVCacheStore([fmt], nblocks, bs, len(ctx) + 1, len(ctx) + 1, DEV)
-    fill_context(store, 0, meta, ctx, gen)
-    q, k, v = (torch.randn(len(ctx) * qlen, h, d, generator=gen).to(DEV, torch.bfloat16) for h in (hq, hkv, hkv))
-    fmt.write(store.pages[0], k, v, meta.slot_mapping)
-    lay = layout_for_format(fmt, DEV)
+    run = _layer_step(preset, [300, 77, 30, 9, 62], 5, 12)
     outs = []
     for peel, tail in ((0, 0), (2, 0), (0, 2)):
         monkeypatch.setattr(narrow, "PEEL_MASK", peel)
         monkeypatch.setattr(narrow, "TAIL_MASK", tail)
-        outs.append(
-            paged_attention(
-                q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0], num_splits=3
-            )
-        )
+        outs.append(run(3))
     assert torch.equal(outs[0], outs[1])
     if DEV.type == "cpu":  # the interpreter runs the same float32 operations either way
         assert torch.equal(outs[0], outs[2])
