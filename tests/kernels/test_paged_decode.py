@@ -928,9 +928,11 @@ def test_decode_sums_table(monkeypatch):
     monkeypatch.setattr(narrow, "LANE_SUMS", 2)
     monkeypatch.setattr(narrow, "PEEL_MASK", 1)
     assert narrow.lane_sums(1) and narrow.peels_mask(5) and not narrow.peels_mask(1)
-    assert narrow.tail_mask(_layout("turboquant_4bit_nc")) and not narrow.tail_mask(_layout("tq3"))
+    assert narrow.tail_mask(_layout("turboquant_4bit_nc"), 128) and not narrow.tail_mask(_layout("tq3"), 128)
+    assert not narrow.tail_mask(_layout("tq_k4v4_nc"), 128)
+    assert not narrow.tail_mask(_layout("turboquant_4bit_nc", d=64), 64)
     monkeypatch.setattr(narrow, "TAIL_MASK", 2)
-    assert narrow.tail_mask(_layout("tq3"))
+    assert narrow.tail_mask(_layout("tq3"), 128)
 
 
 @pytest.mark.parametrize("transposed", [0, 1])

@@ -105,13 +105,16 @@ PEEL_MASK = 0
 # 3bit_nc 1.116 / 1.061; tq3's lazy decode steps lose 1% with them (0.4324 / 0.4364).
 LANE_SUMS = 1
 # A split's whole tiles in a loop without per-pair masks, its edge tiles (the partial last one, the causal
-# ones; with exact copies the window and the sink edge) in loops that mask: 0 never, 1 layouts without exact
-# copies, 2 every layout. Offline sm_90 instructions per 32-key tile on the common path: 4bit_nc verify 1,072
-# -> 1,027, tq3 1,214 -> 1,165 (but 27 spill instructions). H200, 32 x 32K, CUDA-graph replays, medians of 3
-# rounds, ms, one loop / 1 / 2 (thirtieth session): verify (x 5) 4bit_nc 0.6327 / 0.6213 / 0.6197, k3v4_nc
-# 0.6431 / 0.6195 / 0.6197, 3bit_nc 1.018 / 1.001 / 1.002, tq4 1.252 / 1.233 / 1.231, tq3 0.6846 / - / 0.7516;
-# decode 4bit_nc 0.4185 / 0.4136 (2), 3bit_nc 0.8427 / 0.8268, k3v4_nc 0.4620 / 0.4583, tq4 1.024 / 1.022, tq3
-# 0.4347 / 0.4834. So exact-copy layouts keep one loop.
+# ones; with exact copies the window and the sink edge) in loops that mask: 0 never, 1 where it was measured
+# faster (min-max values at d = 128 without exact copies: 4bit_nc, 3bit_nc, k3v4_nc), 2 every layout.
+# Offline sm_90 instructions per 32-key tile on the common path: 4bit_nc verify 1,072 -> 1,027, tq3 1,214 ->
+# 1,165 (but 27 spill instructions). H200, 32 x 32K, CUDA-graph replays, medians of 3 rounds, ms, one loop /
+# verify steps only / every step (thirtieth session): verify (x 5) 4bit_nc 0.6327 / 0.6213 / 0.6197, k3v4_nc
+# 0.6431 / 0.6195 / 0.6197, 3bit_nc 1.018 / 1.001 / 1.002, tq4 1.252 / 1.233 / 1.231, tq3 0.6846 / 0.7516 /
+# 0.7506; decode 4bit_nc 0.4185 / - / 0.4136, 3bit_nc 0.8427 / - / 0.8268, k3v4_nc 0.4620 / - / 0.4583, tq4
+# 1.024 / - / 1.022, tq3 0.4347 / - / 0.4834. Exact-copy layouts keep one loop; codebook values and other head
+# sizes too until timed (offline their spill counts move both ways: tq_k4v4_nc verify 16 -> 12, 3bit_nc at
+# d = 256 decode 30 -> 50).
 TAIL_MASK = 1
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
@@ -318,9 +321,10 @@ def lane_sums(max_query_len: int) -> bool:
     return LANE_SUMS == 2 or (LANE_SUMS == 1 and max_query_len > 1)
 
 
-def tail_mask(layout) -> bool:
+def tail_mask(layout, head_dim: int) -> bool:
     """Whether a split's whole tiles run in a loop without masks (`TAIL_MASK`)."""
-    return TAIL_MASK == 2 or (TAIL_MASK == 1 and not (layout.sink or layout.window))
+    measured = layout.val_mode == MINMAX and head_dim == 128 and not (layout.sink or layout.window)
+    return TAIL_MASK == 2 or (TAIL_MASK == 1 and measured)
 
 
 def _decode_sums(layout, head_dim: int, n_cols: int) -> tuple[bool, bool]:
@@ -560,7 +564,7 @@ def plan(
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (peels_mask(max_query_len), lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
-    key += (tail_mask(layout),)
+    key += (tail_mask(layout, head_dim),)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -1442,7 +1446,7 @@ def launch(
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
         DEFER_SUMS=defer_sums(layout, d, n_cols), PEEL_MASK=peels_mask(meta.max_query_len),
         LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
-        TAIL_MASK=tail_mask(layout),
+        TAIL_MASK=tail_mask(layout, d),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
