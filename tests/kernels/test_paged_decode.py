@@ -838,15 +838,13 @@ def test_narrow_prefetch_changes_nothing(preset, qlen, narrow_spy, monkeypatch):
     assert len(narrow_spy) == 6
 
 
-@pytest.mark.parametrize("peel, lanes", [(0, 2), (2, 0), (2, 2)])
+@pytest.mark.parametrize("lanes", [0, 2])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "turboquant_3bit_nc"])
-def test_narrow_whole_tiles_and_lane_sums(preset, peel, lanes, narrow_spy, monkeypatch):
-    """Whole tiles without the per-pair mask (`PEEL_MASK`, here in every step) and per-lane partial sums
-    (`LANE_SUMS`, here in every lazy step) against the reference: verify steps of mixed lengths, split and
-    unsplit, and decode steps; lengths that leave partial tiles at the ends, tile edges between a request's
-    first and last query positions (30 and 62 with 5 query tokens), and (tq3) tiles at the sink and window
-    edges."""
-    monkeypatch.setattr(narrow, "PEEL_MASK", peel)
+def test_narrow_lane_sums(preset, lanes, narrow_spy, monkeypatch):
+    """Per-lane partial sums (`LANE_SUMS`, here off or in every lazy step) against the reference: verify
+    steps of mixed lengths, split and unsplit, and decode steps; lengths that leave partial tiles at the
+    ends, tile edges between a request's first and last query positions (30 and 62 with 5 query tokens),
+    and (tq3) tiles at the sink and window edges."""
     monkeypatch.setattr(narrow, "LANE_SUMS", lanes)
     _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [5, 1, 3, 5, 4], seed=9)
     _check_one_step(preset, 8, 2, 128, [300, 77, 30, 9, 62], [5, 5, 5, 5, 5], seed=10, num_splits=3)
@@ -856,21 +854,19 @@ def test_narrow_whole_tiles_and_lane_sums(preset, peel, lanes, narrow_spy, monke
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
 def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
-    """Skipping the mask on whole tiles, in the loop (`PEEL_MASK`) or by a loop of their own (`TAIL_MASK`),
-    skips only selects that keep everything: outputs bit for bit (`TAIL_MASK` on the GPU: within one bf16
-    rounding, as the H200 showed in the thirtieth session)."""
+    """Whole tiles in a loop of their own without masks (`TAIL_MASK`) skip only selects that keep
+    everything: outputs bit for bit in the interpreter; on the GPU within one bf16 rounding, as the H200
+    showed in the thirtieth session."""
     run = _layer_step(preset, [300, 77, 30, 9, 62], 5, 12)
     outs = []
-    for peel, tail in ((0, 0), (2, 0), (0, 2)):
-        monkeypatch.setattr(narrow, "PEEL_MASK", peel)
+    for tail in (0, 2):
         monkeypatch.setattr(narrow, "TAIL_MASK", tail)
         outs.append(run(3))
-    assert torch.equal(outs[0], outs[1])
     if DEV.type == "cpu":  # the interpreter runs the same float32 operations either way
-        assert torch.equal(outs[0], outs[2])
+        assert torch.equal(outs[0], outs[1])
     else:  # ptxas may fuse an unmasked loop's norm multiply into the softmax's subtract (one rounding less)
-        torch.testing.assert_close(outs[2], outs[0], rtol=2**-7, atol=1e-4)
-    assert len(narrow_spy) == 3
+        torch.testing.assert_close(outs[1], outs[0], rtol=2**-7, atol=1e-4)
+    assert len(narrow_spy) == 2
 
 
 @pytest.mark.parametrize("tail", [0, 2])
@@ -924,10 +920,9 @@ def test_decode_sums_table(monkeypatch):
     monkeypatch.setattr(narrow, "DEFER_SUMS", 0)
     assert not narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 8)
     # the A/B knobs' modes: 1 is verify steps only
-    assert not narrow.lane_sums(1) and narrow.lane_sums(5) and not narrow.peels_mask(5)
+    assert not narrow.lane_sums(1) and narrow.lane_sums(5)
     monkeypatch.setattr(narrow, "LANE_SUMS", 2)
-    monkeypatch.setattr(narrow, "PEEL_MASK", 1)
-    assert narrow.lane_sums(1) and narrow.peels_mask(5) and not narrow.peels_mask(1)
+    assert narrow.lane_sums(1)
     assert narrow.tail_mask(_layout("turboquant_4bit_nc"), 128) and not narrow.tail_mask(_layout("tq3"), 128)
     assert not narrow.tail_mask(_layout("tq_k4v4_nc"), 128)
     assert not narrow.tail_mask(_layout("turboquant_4bit_nc", d=64), 64)

@@ -93,12 +93,6 @@ DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
     (4, CODEBOOK, 2, 128, True): (False, True),
 }
 DEFER_SUMS = 1  # 0: never defer (A/B knob)
-# Tiles wholly inside a split's causal / packed range skip the per-pair masking (`_tile_whole`): 0 never,
-# 1 in verify steps (where the mask compares every key with every column's position), 2 in every step.
-# Offline sm_90 this saves instructions (4bit_nc verify 1,146 -> 1,118 per tile), yet on the H200 the two tile
-# paths cost more than the mask: 32 x 5 x 32K verify, 4bit_nc 0.629 ms at 0 / 0.652 at 1, tq3 0.684 / 0.700;
-# 2 slows decode by 4-9%. Off; kept as an A/B knob.
-PEEL_MASK = 0
 # Lazy-rescale steps keep per-lane partial sums of the softmax denominator and min-max zero terms
 # (`_lane_sums`), reduced across lanes after the loop: 0 never, 1 in verify steps, 2 in lazy decode steps too.
 # H200 32 x 5 x 32K verify, ms off / on: 4bit_nc 0.668 / 0.629, tq3 0.736 / 0.684, k3v4_nc 0.742 / 0.672,
@@ -106,7 +100,9 @@ PEEL_MASK = 0
 LANE_SUMS = 1
 # A split's whole tiles in a loop without per-pair masks, its edge tiles (the partial last one, the causal
 # ones; with exact copies the window and the sink edge) in loops that mask: 0 never, 1 where it was measured
-# faster (min-max values at d = 128 without exact copies: 4bit_nc, 3bit_nc, k3v4_nc), 2 every layout.
+# faster (min-max values at d = 128 without exact copies: 4bit_nc, 3bit_nc, k3v4_nc), 2 every layout. (A
+# branch inside the one loop that skipped the masks on whole tiles, `PEEL_MASK` until the thirtieth session,
+# was slower: verify 4bit_nc 0.629 -> 0.652 ms, tq3 0.684 -> 0.700; decode 4-9%.)
 # Offline sm_90 instructions per 32-key tile on the common path: 4bit_nc verify 1,072 -> 1,027, tq3 1,214 ->
 # 1,165 (but 27 spill instructions). H200, 32 x 32K, CUDA-graph replays, medians of 3 rounds, ms, one loop /
 # verify steps only / every step (thirtieth session): verify (x 5) 4bit_nc 0.6327 / 0.6213 / 0.6197, k3v4_nc
@@ -309,11 +305,6 @@ def eligible(layout, max_query_len: int, group: int) -> bool:
     """Decode and verify steps (up to MAX_QUERY_LEN tokens, at most MAX_COLS columns) of
     `paged_decode`-eligible layouts, with or without exact sink / window copies."""
     return ENABLED and max_query_len <= MAX_QUERY_LEN and cols(max_query_len, group) <= MAX_COLS
-
-
-def peels_mask(max_query_len: int) -> bool:
-    """Whether whole tiles skip the per-pair masking (`PEEL_MASK`)."""
-    return PEEL_MASK == 2 or (PEEL_MASK == 1 and max_query_len > 1)
 
 
 def lane_sums(max_query_len: int) -> bool:
@@ -563,7 +554,7 @@ def plan(
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
-    key += (peels_mask(max_query_len), lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
+    key += (lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
     key += (tail_mask(layout, head_dim),)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
@@ -942,44 +933,19 @@ def _lane_sums(x, BLOCK_N: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _tile_whole(n0, hi, q_first, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
-                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Whether every (key, column) pair of the tile at n0 is kept by `_mask_scores`: its keys are inside the
-    split and, for the program's earliest query position q_first (every column's is at least that), causal
-    and packed under the exact rule. Only a split's last tile and the tiles at the sink / window edges are
-    not."""
-    last = n0 + BLOCK_N - 1
-    whole = last < hi
-    if HAS_EXACT:
-        whole = whole & (n0 >= SINK) & (last <= q_first - WINDOW)
-    elif BLOCK_Q > 1:
-        whole = whole & (last <= q_first)
-    return whole
-
-
-@triton.jit
 def _mask_scores(
-    s, n, nmask, qpos, ksc, whole, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
-    BLOCK_Q: tl.constexpr, PEEL: tl.constexpr,
-):  # fmt: skip
+    s, n, nmask, qpos, ksc, HAS_EXACT: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr
+):
     """Scores [keys, columns] times the keys' norms; -inf for keys past the split, in verify steps keys
     after a column's query token, and pairs the exact rule claims (a pair is packed iff n >= SINK and
-    qpos - n >= WINDOW). Padded columns have zero queries, so their scores stay finite. With PEEL, tiles
-    `_tile_whole` finds whole (`whole`) skip the per-pair compares and selects."""
+    qpos - n >= WINDOW). Padded columns have zero queries, so their scores stay finite."""
     if HAS_EXACT:
         keep = nmask[:, None] & (n[:, None] >= SINK) & (n[:, None] <= (qpos - WINDOW)[None, :])
     elif BLOCK_Q > 1:
         keep = nmask[:, None] & (n[:, None] <= qpos[None, :])
     else:
         keep = nmask[:, None]
-    if PEEL:
-        if whole:
-            s = s * ksc[:, None]
-        else:
-            s = tl.where(keep, s * ksc[:, None], float("-inf"))
-    else:
-        s = tl.where(keep, s * ksc[:, None], float("-inf"))
-    return s
+    return tl.where(keep, s * ksc[:, None], float("-inf"))
 
 
 @triton.jit
@@ -1011,7 +977,7 @@ def _narrow_decode_kernel(
     V3_BYTES: tl.constexpr, PAIR_SCALARS: tl.constexpr, QROT: tl.constexpr, RSQRT_D: tl.constexpr,
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
-    DEFER_SUMS: tl.constexpr, PEEL_MASK: tl.constexpr, LANE_SUMS: tl.constexpr, KPT: tl.constexpr,
+    DEFER_SUMS: tl.constexpr, LANE_SUMS: tl.constexpr, KPT: tl.constexpr,
     TAIL_MASK: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
@@ -1138,7 +1104,7 @@ def _narrow_decode_kernel(
             l_ln2 = tl.zeros([8, N2], dtype=tl.float32)
             v_ln2 = tl.zeros([8, N2], dtype=tl.float32)
     bt_row = bt_ptr + req * stride_bt
-    # TAIL_MASK: a split's whole tiles (`_tile_whole`: inside the split, in verify steps before every column's
+    # TAIL_MASK: a split's whole tiles (inside the split, in verify steps before every column's
     # query token, with exact copies past the sinks and before the window) run in a loop without per-pair
     # masks; the tiles before them (exact copies: the sink edge, in the split holding position 0) and after
     # them (the partial last one, the causal and window ones) in unpipelined loops that mask. Phases: 0 the
@@ -1205,11 +1171,10 @@ def _narrow_decode_kernel(
                 s = tl.dot(k, q7, s, input_precision=PREC)
                 if N2 > 0:
                     s2 = tl.dot(k, r7, s2, input_precision=PREC)
-            whole = _tile_whole(n0, hi, seq_len - qlen, HAS_EXACT, SINK, WINDOW, BLOCK_Q, BLOCK_N)
             if TAIL_MASK and ph == 1:  # a whole tile
                 s = s * ksc[:, None]
             else:
-                s = _mask_scores(s, n, nmask, qpos, ksc, whole, HAS_EXACT, SINK, WINDOW, BLOCK_Q, PEEL_MASK)
+                s = _mask_scores(s, n, nmask, qpos, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
             if LAZY_TAU > 0:
                 # rescale only when some column's maximum grew by more than LAZY_TAU (log2 units): p then
                 # stays below 2^LAZY_TAU, and most tiles skip the [d, N] accumulator multiplies
@@ -1268,7 +1233,7 @@ def _narrow_decode_kernel(
                 if TAIL_MASK and ph == 1:  # a whole tile
                     s2 = s2 * ksc[:, None]
                 else:
-                    s2 = _mask_scores(s2, n, nmask, qpos2, ksc, whole, HAS_EXACT, SINK, WINDOW, BLOCK_Q, PEEL_MASK)
+                    s2 = _mask_scores(s2, n, nmask, qpos2, ksc, HAS_EXACT, SINK, WINDOW, BLOCK_Q)
                 m_tile2 = tl.max(s2, 0)
                 m_new2 = tl.maximum(m_i2, m_tile2)
                 if LAZY_TAU > 0:  # (vze: the first group's min-max terms of this tile)
@@ -1444,7 +1409,7 @@ def launch(
         PARKQ=rot is not None and parks_query(layout, d, meta.max_query_len),
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
-        DEFER_SUMS=defer_sums(layout, d, n_cols), PEEL_MASK=peels_mask(meta.max_query_len),
+        DEFER_SUMS=defer_sums(layout, d, n_cols),
         LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
         TAIL_MASK=tail_mask(layout, d),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
