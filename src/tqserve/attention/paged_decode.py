@@ -602,6 +602,14 @@ def _groups3(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, TRANS: tl.const
 
 
 @triton.jit
+def _u32_rows(x, KT: tl.constexpr):
+    """Loaded words as uint32 [keys, ..] (KT: loaded [.., keys], transposed here)."""
+    if KT:
+        x = tl.trans(x)
+    return x.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _groups5(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr = False):
     """5-bit codes: the token's K groups of 8 codes (40 stream bits each, little-endian) as int32 halves
     [BN, K, 2]: [.., 0] holds codes 0-3 of the group in its low 20 bits, [.., 1] codes 4-7. Words 5u .. 5u + 4
@@ -613,19 +621,14 @@ def _groups5(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr, KT: tl.constexp
     if KT:  # loaded [U, BN] (lanes over units and keys), used [BN, U]
         base = wp + tl.trans(row) * (NB // 4) + 5 * tl.arange(0, U)[:, None]
         m = nmask[None, :]
-        a = tl.trans(tl.load(base, mask=m, other=0)).to(tl.uint32, bitcast=True)
-        b = tl.trans(tl.load(base + 1, mask=m, other=0)).to(tl.uint32, bitcast=True)
-        c = tl.trans(tl.load(base + 2, mask=m, other=0)).to(tl.uint32, bitcast=True)
-        d = tl.trans(tl.load(base + 3, mask=m, other=0)).to(tl.uint32, bitcast=True)
-        e = tl.trans(tl.load(base + 4, mask=m, other=0)).to(tl.uint32, bitcast=True)
     else:
         base = wp + row * (NB // 4) + 5 * tl.arange(0, U)[None, :]
         m = nmask[:, None]
-        a = tl.load(base, mask=m, other=0).to(tl.uint32, bitcast=True)
-        b = tl.load(base + 1, mask=m, other=0).to(tl.uint32, bitcast=True)
-        c = tl.load(base + 2, mask=m, other=0).to(tl.uint32, bitcast=True)
-        d = tl.load(base + 3, mask=m, other=0).to(tl.uint32, bitcast=True)
-        e = tl.load(base + 4, mask=m, other=0).to(tl.uint32, bitcast=True)
+    a = _u32_rows(tl.load(base, mask=m, other=0), KT)
+    b = _u32_rows(tl.load(base + 1, mask=m, other=0), KT)
+    c = _u32_rows(tl.load(base + 2, mask=m, other=0), KT)
+    d = _u32_rows(tl.load(base + 3, mask=m, other=0), KT)
+    e = _u32_rows(tl.load(base + 4, mask=m, other=0), KT)
     # the 20-bit halves h0 .. h7 of the unit's 4 groups (stream bits 20 k ..)
     h0 = a
     h1 = (a >> 20) | (b << 12)
