@@ -856,7 +856,7 @@ def test_narrow_lane_sums(preset, lanes, narrow_spy, monkeypatch):
 def test_narrow_whole_tiles_change_nothing(preset, narrow_spy, monkeypatch):
     """Whole tiles in a loop of their own without masks (`TAIL_MASK`) skip only selects that keep
     everything: outputs bit for bit in the interpreter. On the GPU, within one bf16 rounding: the H200 gave
-    other bits in the thirtieth session (not bit-equal; this bound has not run there yet)."""
+    other bits in the thirtieth session (not bit-equal), and met this bound in the thirty-first."""
     run = _layer_step(preset, [300, 77, 30, 9, 62], 5, 12)
     outs = []
     for tail in (0, 2):
@@ -923,11 +923,18 @@ def test_decode_sums_table(monkeypatch):
     assert not narrow.lane_sums(1) and narrow.lane_sums(5)
     monkeypatch.setattr(narrow, "LANE_SUMS", 2)
     assert narrow.lane_sums(1)
-    assert narrow.tail_mask(_layout("turboquant_4bit_nc"), 128) and not narrow.tail_mask(_layout("tq3"), 128)
-    assert not narrow.tail_mask(_layout("tq_k4v4_nc"), 128)
-    assert not narrow.tail_mask(_layout("turboquant_4bit_nc", d=64), 64)
+    # the split loop: min-max values at d = 128 without exact copies in every step, `TAIL_VERIFY` in verify steps
+    tail = narrow.tail_mask
+    assert tail(_layout("turboquant_4bit_nc"), 128, 1) and tail(_layout("turboquant_4bit_nc"), 128, 5)
+    assert not tail(_layout("tq3"), 128, 1) and not tail(_layout("tq3"), 128, 5)
+    assert not tail(_layout("tq4"), 128, 1) and tail(_layout("tq4"), 128, 5)
+    assert not tail(_layout("tq_k4v4_nc"), 128, 1) and tail(_layout("tq_k4v4_ub"), 128, 2)
+    assert not tail(_layout("tq_k4v2_nc"), 128, 5)
+    assert not tail(_layout("turboquant_4bit_nc", d=64), 64, 1) and tail(_layout("turboquant_4bit_nc", d=64), 64, 5)
     monkeypatch.setattr(narrow, "TAIL_MASK", 2)
-    assert narrow.tail_mask(_layout("tq3"), 128)
+    assert tail(_layout("tq3"), 128, 1)
+    monkeypatch.setattr(narrow, "TAIL_MASK", 0)
+    assert not tail(_layout("turboquant_4bit_nc"), 128, 1) and not tail(_layout("tq4"), 128, 5)
 
 
 @pytest.mark.parametrize("transposed", [0, 1])

@@ -59,6 +59,9 @@ MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # GPU decoders of 2- / 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
 # numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
+# Under "shfl", the last PRMT_SLICES of the four slices of a 4-bit codebook side decoded by byte permutes
+# instead: their lookups move from the shuffle pipe to the integer ALUs (A/B knob; 0 is all shuffles).
+PRMT_SLICES = 0
 # Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants;
 # docs/benchmarks.md, "Launch table"):
 # - decode at d = 128 (16-row programs) without exact copies: one warp over 64-key tiles, split-K
@@ -1034,7 +1037,7 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
     if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits in (3, 5) and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    key = (side, bits, LOOKUP, pairs)
+    key = (side, bits, LOOKUP, pairs, PRMT_SLICES)
     if key not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
@@ -1049,6 +1052,10 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
             cache[key] = shfl_pair_slices(host)
         elif LOOKUP == "shfl":
             cache[key] = shfl_slices(host, bits)
+            tables = prmt_tables(host) if bits == 4 and PRMT_SLICES else None
+            if tables is not None:
+                mixed = prmt_slices(tables)
+                cache[key] = cache[key][: 4 - PRMT_SLICES] + mixed[4 - PRMT_SLICES :]
         else:
             tables = prmt_tables(host)
             cache[key] = prmt_slices(tables) if tables is not None else none

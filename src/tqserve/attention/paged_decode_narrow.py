@@ -100,18 +100,28 @@ DEFER_SUMS = 1  # 0: never defer (A/B knob)
 LANE_SUMS = 1
 # A split's whole tiles in a loop without per-pair masks, its edge tiles (the partial last one, the causal
 # ones; with exact copies the window and the sink edge) in loops that mask: 0 never, 1 where it was measured
-# faster (min-max values at d = 128 without exact copies: 4bit_nc, 3bit_nc, k3v4_nc), 2 every layout. (A
-# branch inside the one loop that skipped the masks on whole tiles, `PEEL_MASK` until the thirtieth session,
-# was slower: verify 4bit_nc 0.629 -> 0.652 ms, tq3 0.684 -> 0.700; decode 4-9%.)
+# faster (min-max values at d = 128 without exact copies in every step, `TAIL_VERIFY` in verify steps), 2
+# every layout. (A branch inside the one loop that skipped the masks on whole tiles, `PEEL_MASK` until the
+# thirtieth session, was slower: verify 4bit_nc 0.629 -> 0.652 ms, tq3 0.684 -> 0.700; decode 4-9%.)
 # Offline sm_90 instructions per 32-key tile on the common path: 4bit_nc verify 1,072 -> 1,027, tq3 1,214 ->
 # 1,165 (but 27 spill instructions). H200, 32 x 32K, CUDA-graph replays, medians of 3 rounds, ms, one loop /
 # verify steps only / every step (thirtieth session): verify (x 5) 4bit_nc 0.6327 / 0.6213 / 0.6197, k3v4_nc
 # 0.6431 / 0.6195 / 0.6197, 3bit_nc 1.018 / 1.001 / 1.002, tq4 1.252 / 1.233 / 1.231, tq3 0.6846 / 0.7516 /
 # 0.7506; decode 4bit_nc 0.4185 / - / 0.4136, 3bit_nc 0.8427 / - / 0.8268, k3v4_nc 0.4620 / - / 0.4583, tq4
-# 1.024 / - / 1.022, tq3 0.4347 / - / 0.4834. Exact-copy layouts keep one loop; codebook values and other head
-# sizes too until timed (offline their spill counts move both ways: tq_k4v4_nc verify 16 -> 12, 3bit_nc at
-# d = 256 decode 30 -> 50).
+# 1.024 / - / 1.022, tq3 0.4347 / - / 0.4834.
 TAIL_MASK = 1
+# Layouts (key bits, value mode, value bits, head size, exact copies) whose verify steps, not their decode
+# steps, were faster with the split loop. H200, one loop / split, ms (thirty-first session): 32 x 5 x 32K tq4
+# 1.250 / 1.227 (decode 1.018 / 1.018), tq_k4v4_nc 0.7531 / 0.7311 (decode 0.5377 / 0.5567), tq_k4v4_ub
+# 0.7528 / 0.7308 (decode 0.534 / 0.553); 9 / 3 / 64 heads, 64 x 5 x 4K, 4bit_nc 0.0554 / 0.0535 (decode 0.0427
+# / 0.0435). Slower, so left out: tq3 and tq_k4v2_nc (2-bit codebook values: verify 0.683 / 0.737 and 0.673 /
+# 0.720, decode 0.434 / 0.477 and 0.462 / 0.458), tq_k4v4_nc at d = 64 (verify 0.0629 / 0.0636); 4bit_nc and
+# 3bit_nc decode at 16 / 2 / 256 heads gained under 1% (0.2420 / 0.2401, 0.4265 / 0.4260), so they stay too.
+TAIL_VERIFY = {
+    (5, CODEBOOK, 3, 128, True),
+    (4, CODEBOOK, 4, 128, False),
+    (4, MINMAX, 4, 64, False),
+}
 MAX_QUERY_LEN = 8  # verify steps of up to 7 drafts
 MAX_COLS = 32  # (query tokens x heads of a group) per program; more stay on `paged_decode`
 # Steps whose real columns fill little more than half of the padded N (verify with a GQA group of 4:
@@ -312,9 +322,12 @@ def lane_sums(max_query_len: int) -> bool:
     return LANE_SUMS == 2 or (LANE_SUMS == 1 and max_query_len > 1)
 
 
-def tail_mask(layout, head_dim: int) -> bool:
-    """Whether a split's whole tiles run in a loop without masks (`TAIL_MASK`)."""
-    measured = layout.val_mode == MINMAX and head_dim == 128 and not (layout.sink or layout.window)
+def tail_mask(layout, head_dim: int, max_query_len: int) -> bool:
+    """Whether a split's whole tiles run in a loop without masks (`TAIL_MASK`, `TAIL_VERIFY`)."""
+    exact = bool(layout.sink or layout.window)
+    measured = layout.val_mode == MINMAX and head_dim == 128 and not exact
+    shape = (layout.key_bits, layout.val_mode, layout.val_bits, head_dim, exact)
+    measured = measured or (max_query_len > 1 and shape in TAIL_VERIFY)
     return TAIL_MASK == 2 or (TAIL_MASK == 1 and measured)
 
 
@@ -555,7 +568,7 @@ def plan(
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
-    key += (tail_mask(layout, head_dim),)
+    key += (tail_mask(layout, head_dim, max_query_len), paged_decode.LOOKUP, paged_decode.PRMT_SLICES)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -1411,7 +1424,7 @@ def launch(
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
         DEFER_SUMS=defer_sums(layout, d, n_cols),
         LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
-        TAIL_MASK=tail_mask(layout, d),
+        TAIL_MASK=tail_mask(layout, d, meta.max_query_len),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
