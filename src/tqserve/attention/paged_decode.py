@@ -59,9 +59,11 @@ MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # GPU decoders of 2- / 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
 # numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
-# Under "shfl", the last PRMT_SLICES of the four slices of a 4-bit codebook side decoded by byte permutes
-# instead: their lookups move from the shuffle pipe to the integer ALUs (A/B knob; 0 is all shuffles).
-PRMT_SLICES = 0
+# (Mixed, one or two of a 4-bit codebook side's four slices by byte permutes and the rest by shuffles, to
+# move lookups off the shuffle pipe: slower everywhere. H200, thirty-first session, ms, shuffles / 1 / 2
+# slices by permutes: 4bit_nc 32 x 32K 0.414 / 0.471 / 0.512, 32 x 5 x 32K 0.622 / 0.635 / 0.672, 1 x 128K
+# 0.0683 / 0.0741 / 0.0800; tq_k4v4_nc 32 x 32K 0.534 / 0.615 / 0.743. Offline, one slice by permutes adds
+# 143 instructions to the 780 of a 4bit_nc decode tile and removes 32 of its 132 shuffles.)
 # Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants;
 # docs/benchmarks.md, "Launch table"):
 # - decode at d = 128 (16-row programs) without exact copies: one warp over 64-key tiles, split-K
@@ -1037,7 +1039,7 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
     if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits in (3, 5) and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    key = (side, bits, LOOKUP, pairs, PRMT_SLICES)
+    key = (side, bits, LOOKUP, pairs)
     if key not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
@@ -1052,10 +1054,6 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
             cache[key] = shfl_pair_slices(host)
         elif LOOKUP == "shfl":
             cache[key] = shfl_slices(host, bits)
-            tables = prmt_tables(host) if bits == 4 and PRMT_SLICES else None
-            if tables is not None:
-                mixed = prmt_slices(tables)
-                cache[key] = cache[key][: 4 - PRMT_SLICES] + mixed[4 - PRMT_SLICES :]
         else:
             tables = prmt_tables(host)
             cache[key] = prmt_slices(tables) if tables is not None else none
