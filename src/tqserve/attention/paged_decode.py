@@ -64,6 +64,11 @@ LOOKUP = "shfl"
 # slices by permutes: 4bit_nc 32 x 32K 0.414 / 0.471 / 0.512, 32 x 5 x 32K 0.622 / 0.635 / 0.672, 1 x 128K
 # 0.0683 / 0.0741 / 0.0800; tq_k4v4_nc 32 x 32K 0.534 / 0.615 / 0.743. Offline, one slice by permutes adds
 # 143 instructions to the 780 of a 4bit_nc decode tile and removes 32 of its 132 shuffles.)
+# (Also slower: 4-bit keys as two half registers, (c, 0) and (0, c'), shuffled from tables already in their
+# halves, a dot each over the same query: no PRMT to join them, 775 -> 733 instructions per tile offline, but
+# twice the dependent score HMMAs per accumulator. H200, thirty-first session, ms, joined / halves: 4bit_nc
+# 32 x 32K 0.412 / 0.429, 1 x 128K 0.0684 / 0.0709, verify 0.618 / 0.667; tq3 0.431 / 0.439; tq_k4v4_nc
+# 0.530 / 0.550. The branch `key-halves` keeps it, with the halves in two accumulators: not timed.)
 # Launch configurations, tuned on the H100 (CUDA-graph replays, benchmarks/decode_ab.py --variants;
 # docs/benchmarks.md, "Launch table"):
 # - decode at d = 128 (16-row programs) without exact copies: one warp over 64-key tiles, split-K
