@@ -111,12 +111,13 @@ LANE_SUMS = 1
 # 1.024 / - / 1.022, tq3 0.4347 / - / 0.4834.
 TAIL_MASK = 1
 # Layouts (key bits, value mode, value bits, head size, exact copies) whose verify steps, not their decode
-# steps, were faster with the split loop. H200, one loop / split, ms (thirty-first session): 32 x 5 x 32K tq4
-# 1.250 / 1.227 (decode 1.018 / 1.018), tq_k4v4_nc 0.7531 / 0.7311 (decode 0.5377 / 0.5567), tq_k4v4_ub
-# 0.7528 / 0.7308 (decode 0.534 / 0.553); 9 / 3 / 64 heads, 64 x 5 x 4K, 4bit_nc 0.0554 / 0.0535 (decode 0.0427
-# / 0.0435). Slower, so left out: tq3 and tq_k4v2_nc (2-bit codebook values: verify 0.683 / 0.737 and 0.673 /
-# 0.720, decode 0.434 / 0.477 and 0.462 / 0.458), tq_k4v4_nc at d = 64 (verify 0.0629 / 0.0636); 4bit_nc and
-# 3bit_nc decode at 16 / 2 / 256 heads gained under 1% (0.2420 / 0.2401, 0.4265 / 0.4260), so they stay too.
+# steps, were faster with the split loop. H200, one loop / split, ms, 32 x 5 x 32K: tq4 1.252 / 1.233 (thirtieth
+# session; 1.250 / 1.227 on the branch `tail-two-loops`, decode 1.018 / 1.018); thirty-first session: tq_k4v4_nc
+# 0.7531 / 0.7311 (decode 0.5377 / 0.5567), tq_k4v4_ub 0.7528 / 0.7308 (decode 0.534 / 0.553); 9 / 3 / 64 heads,
+# 64 x 5 x 4K, 4bit_nc 0.0554 / 0.0535 (decode 0.0427 / 0.0435). Slower, so left out: tq3 and tq_k4v2_nc (2-bit
+# codebook values: verify 0.683 / 0.737 and 0.673 / 0.720, decode 0.434 / 0.477 and 0.462 / 0.458), tq_k4v4_nc
+# at d = 64 (verify 0.0629 / 0.0636); 4bit_nc and 3bit_nc decode at 16 / 2 / 256 heads gained under 1% (0.2420 /
+# 0.2401, 0.4265 / 0.4260), so they keep one loop too.
 TAIL_VERIFY = {
     (5, CODEBOOK, 3, 128, True),
     (4, CODEBOOK, 4, 128, False),
