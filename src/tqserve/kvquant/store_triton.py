@@ -87,6 +87,11 @@ SIGNS_AT_LOAD = 1
 # tq_k4v4_* (tq_k4v4_ub 80 -> 96 registers). H100, twenty-sixth session, same bench, points of copy gained:
 # tq4 +0.5 to +0.9, tq_k4v4_ub +0.5 to +0.9, tq_k4v4_nc +0.1 to +0.6, tq3 -0.5 to +0.1
 SIGN_XOR = 1
+# nc sides of 3- or 4-bit codes whose cell table fits a warp (NCELL <= 32): the cell's boundary and base by
+# two warp shuffles from lane tables (`_tq_lookup_lanes`), and the element's rounded ||c||^2 term by a third
+# at the index found, instead of an 8-byte load at a 64-bit address, the scaled centroid's shuffle, an fma and
+# a subtraction per element (0: the cell table in global memory)
+CELL_LANES = 1
 # `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
 # Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
 # of 1.5 * 2^23 less HALFC, $6 NCELL - 1, $7 the cell table, $8 the centroid column (a load) or the
@@ -106,6 +111,31 @@ sub.s32 $0, bs, m;
 """
 _LOOKUP_LOAD = tl.constexpr("{" + _CELL_PTX + "mad.wide.s32 ad, $0, 4, $8;\nld.global.nc.b32 $1, [ad];\n}")
 _LOOKUP_SHFL = tl.constexpr("{" + _CELL_PTX + "shfl.sync.idx.b32 $1, $8, $0, 0x1f, 0xffffffff;\n}")
+# `_tq_lookup_lanes`' PTX: $0 index, $1 the index's ||c||^2 term (int32); $2 y, $3 a, $4 b, $5 the bits of
+# 1.5 * 2^23 less HALFC plus the first lane's cell, $6 the last lane in use; $7 / $8 / $9 this lane's
+# entries of the boundary, base and term tables
+_CELL_LANES_PTX = tl.constexpr("""{
+.reg .f32 t, pb;
+.reg .b32 c, m, bs;
+fma.rn.f32 t, $3, $4, 0f4B400000;
+mov.b32 c, t;
+sub.s32 c, c, $5;
+min.s32 c, c, $6;
+max.s32 c, c, 0;
+shfl.sync.idx.b32 pb, $7, c, 0x1f, 0xffffffff;
+shfl.sync.idx.b32 bs, $8, c, 0x1f, 0xffffffff;
+set.gt.u32.f32 m, $2, pb;
+sub.s32 $0, bs, m;
+shfl.sync.idx.b32 $1, $9, $0, 0x1f, 0xffffffff;
+}""")
+# this lane's entry of a 32-entry int32 table at $1
+_LANE_LOAD_PTX = tl.constexpr("""{
+.reg .u32 l;
+.reg .u64 ad;
+mov.u32 l, %laneid;
+mad.wide.u32 ad, l, 4, $1;
+ld.global.nc.b32 $0, [ad];
+}""")
 # `reference.fixed_point`'s constants
 _FIX_BIAS = tl.constexpr(FIX_BIAS)
 _FIX_MIN_EXP = tl.constexpr(FIX_MIN_EXP)
@@ -338,18 +368,65 @@ def _tq_lookup(
 
 
 @triton.jit
+def _lane_entry(z32, ptr):
+    """This lane's entry of the 32-entry table at ptr, in every element of z32's shape (one pure op of
+    uniform operands: computed once per thread)."""
+    p = z32.to(tl.int64) + ptr.to(tl.int64)
+    return tl.inline_asm_elementwise(_LANE_LOAD_PTX, "=r,l", [p], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _tq_lookup_lanes(
+    y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, L: tl.constexpr, LANES: tl.constexpr
+):
+    """(#{boundaries < y}, round(c^2 * 2^SCALE_QS) of that index's centroid c) per element: `_tq_lookup`'s
+    cell (a * b picks it, the same fma), clamped to the cells [lo, hi] around the boundaries (LANES =
+    `lane_cells`), whose boundary and base come from lane tables by two warp shuffles, and the term by a
+    third (`_cell_table`'s lane tables; hi - lo and the centroid count L below 32). No load in the element's chain, no address arithmetic, and the nc
+    scale's term (`_tq_scale_terms`, exact in int32) without the centroid, an fma or a subtraction."""
+    LO: tl.constexpr = (LANES - 1) // 64
+    SPAN: tl.constexpr = (LANES - 1) % 64
+    T0: tl.constexpr = 2 * NCELL + 2 * L
+    b = tl.zeros_like(y) + b
+    if _ASM:
+        z32 = tl.zeros(y.shape, dtype=tl.int32)
+        c5 = z32 + (0x4B400000 - HALFC + LO)
+        c6 = z32 + SPAN
+        lp = _lane_entry(z32, tab_ptr + T0)
+        lb = _lane_entry(z32, tab_ptr + T0 + 32)
+        lt = _lane_entry(z32, tab_ptr + T0 + 64)
+        idx, term = tl.inline_asm_elementwise(
+            _CELL_LANES_PTX, "=r,=r,r,r,r,r,r,r,r,r", [y, a, b, c5, c6, lp, lb, lt],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        t = a * b + 12582912.0
+        cell = t.to(tl.int32, bitcast=True) - (0x4B400000 - HALFC + LO)
+        cell = tl.maximum(tl.minimum(cell, SPAN), 0)
+        up = y > tl.load(tab_ptr + T0 + cell).to(tl.float32, bitcast=True)
+        idx = tl.load(tab_ptr + T0 + 32 + cell) + up.to(tl.int32)
+        term = tl.load(tab_ptr + T0 + 64 + idx)
+    return idx, term
+
+
+@triton.jit
 def _tq_tile_out(
     z, f, fc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr, NCELL: tl.constexpr, HALFC: tl.constexpr,
     D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
+    LANES: tl.constexpr,
 ):  # fmt: skip
     """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (z: the exact integer
     Hadamard sums, float32; f, fc = f * CS: [BT, 1] columns); return the elements' int32 terms of the
-    scale's sum (`_tq_scale_terms`)."""
+    scale's sum (`_tq_scale_terms`; LANES > 0, nc only: from `_tq_lookup_lanes`)."""
     y = z * f
-    idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LUT, CMP)
+    if LANES > 0:
+        idx, part = _tq_lookup_lanes(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LANES)
+    else:
+        idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LUT, CMP)
+        part = _tq_scale_terms(y, cq, SCALE_MODE)
     _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
-    return _tq_scale_terms(y, cq, SCALE_MODE)
+    return part
 
 
 @triton.jit
@@ -538,7 +615,7 @@ def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: 
 def _tq_side(
     x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr,
-    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr, LANES: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
     NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
@@ -697,25 +774,25 @@ def _tq_side(
                                         BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3), 1)  # fmt: skip
     else:
         part = _tq_tile_out(za, f0, f0 * CS, 0, pay_ptr, tokp, tok_ok, tab_ptr,
-                            BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP)  # fmt: skip
+                            BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP, LANES)  # fmt: skip
         if G0 > 1:
             part += _tq_tile_out(zb, f0, f0 * CS, W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP, LANES)  # fmt: skip
         if G0 > 2:
             part += _tq_tile_out(zc, f0, f0 * CS, 2 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP, LANES)  # fmt: skip
             part += _tq_tile_out(zd, f0, f0 * CS, 3 * W, pay_ptr, tokp, tok_ok, tab_ptr,
-                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP)  # fmt: skip
+                                 BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W, LUT, CMP, LANES)  # fmt: skip
         acc = tl.sum(part, 1)
         if NT > G0:
             acc += tl.sum(_tq_tile_out(t1, f1, f1 * CS, O1, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1, LUT, CMP), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W1, LUT, CMP, LANES), 1)  # fmt: skip
         if NT > G0 + 1:
             acc += tl.sum(_tq_tile_out(t2, f2, f2 * CS, O2, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2, LUT, CMP), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W2, LUT, CMP, LANES), 1)  # fmt: skip
         if NT > G0 + 2:
             acc += tl.sum(_tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
-                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3, LUT, CMP), 1)  # fmt: skip
+                                       BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3, LUT, CMP, LANES), 1)  # fmt: skip
     _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
@@ -723,7 +800,7 @@ def _tq_side(
 def _store_side(
     x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr, LANES: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr, NSPLIT: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
@@ -734,7 +811,7 @@ def _store_side(
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
         _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
-                 BITS, SCALE_MODE, GS, NCELL, HALFC, CS, LUT, CMP, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
+                 BITS, SCALE_MODE, GS, NCELL, HALFC, CS, LUT, CMP, LANES, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
                  O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
     else:
         d = tl.arange(0, DP)
@@ -819,9 +896,9 @@ def _store_kv_kernel(
     kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
     HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
-    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr, KLUT: tl.constexpr, KCMP: tl.constexpr,
+    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr, KLUT: tl.constexpr, KCMP: tl.constexpr, KLANES: tl.constexpr,
     VMODE: tl.constexpr, VBITS: tl.constexpr, VGS: tl.constexpr,
-    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr, VLUT: tl.constexpr, VCMP: tl.constexpr,
+    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr, VLUT: tl.constexpr, VCMP: tl.constexpr, VLANES: tl.constexpr,
     SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
@@ -836,17 +913,18 @@ def _store_kv_kernel(
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
-                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, SEARCH, NGAIN,
+                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES, SEARCH, NGAIN,
                 NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
-                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, SEARCH, NGAIN,
+                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES, SEARCH, NGAIN,
                 NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
 
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
     """`_tq_lookup`'s table for centroids cb [L] and ascending boundaries bnd [L - 1] (float32):
     (int32 table: [NCELL, 2] flat (own boundary as bits, base), then the L centroids' bits, then
-    theirs times 2^SCALE_QS (`_tq_scale_terms`); NCELL,
+    theirs times 2^SCALE_QS (`_tq_scale_terms`), then where NCELL and L are at most 32 the lane tables
+    of `_tq_lookup_lanes` (3 x 32 entries at offset `lane_tables_at`); NCELL,
     HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
     CS * y in [k - HALFC - 1/2, k - HALFC + 1/2). CS is picked so that every cell holds at most
     one boundary and none lies within `margin` of a cell edge (so y * CS may be computed with a
@@ -874,8 +952,31 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     own = torch.full((ncell,), 0x7F800000, dtype=torch.long)  # +inf: no boundary in this cell
     own[cell_of] = bits32
     cqbits = (cb.float() * 2.0**SCALE_QS).view(torch.int32).long() & 0xFFFFFFFF  # exact: a power of two
-    tab = torch.cat([torch.stack([own, base], 1).flatten(), cbits, cqbits]).to(torch.uint32).view(torch.int32)
+    parts = [torch.stack([own, base], 1).flatten(), cbits, cqbits]
+    n = cb.numel()
+    lo, hi = int(cell_of.min()) - 1, int(cell_of.max()) + 1
+    if hi - lo < 32 and n <= 32:
+        # `_tq_lookup_lanes`' lane tables: lane j holds cell lo + j's boundary bits and base (cells lo and
+        # hi hold no boundary, and every cell below lo / above hi has theirs: a cell clamped to [lo, hi]
+        # gives the same count; lanes past hi repeat it), then index j's nc term round(c_j^2 * 2^SCALE_QS)
+        # (`reference.fixed_sum`'s rounding of the exact float64 square; lanes past the count repeat)
+        k = torch.clamp(torch.arange(32) + lo, max=hi)
+        terms = torch.round(cb.float().double() ** 2 * 2.0**SCALE_QS).long()
+        parts += [own[k], base[k], terms[torch.arange(32) % n]]
+    tab = torch.cat(parts).to(torch.uint32).view(torch.int32)
     return tab, ncell, halfc, cs
+
+
+def lane_cells(tab: torch.Tensor, ncell: int, n: int) -> int:
+    """`_tq_lookup_lanes`' LANES for `_cell_table`'s table (NCELL cells, n centroids): 0 where it holds
+    no lane tables, else 1 + 64 lo + (hi - lo) for the cells [lo, hi] they cover (the tables themselves
+    sit at 2 NCELL + 2 n)."""
+    if tab.numel() == 2 * ncell + 2 * n:
+        return 0
+    own = tab[0 : 2 * ncell : 2].to(torch.int64) & 0xFFFFFFFF
+    cells = (own != 0x7F800000).nonzero().flatten()
+    lo, hi = int(cells.min()) - 1, int(cells.max()) + 1
+    return 1 + 64 * lo + (hi - lo)
 
 
 def lane_table_ptx(entries: list[int]) -> str:
@@ -977,7 +1078,7 @@ class StorePlan:
         self.gains: torch.Tensor | None = None
         self.rot = self.tiles = None
         self.had: torch.Tensor | None = None  # H_W and the signs (`_rot_tile`), fp16
-        # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS, LUT, CMP))
+        # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS, LUT, CMP, LANES))
         self.sides = []
         if isinstance(fmt, ExactFormat):
             self.sides = [
@@ -1006,7 +1107,10 @@ class StorePlan:
                 if LANE_LUT and n <= 32:  # the scaled centroids' bits, as the table holds them
                     lut = lane_table_ptx([int(v) for v in tab[2 * ncell + n : 2 * ncell + 2 * n]])
                 cmp = compare_ptx(tq_codebook(codec.bits, d)[1]) if lut and n == 4 else ""
-                table = (tab.to(device), ncell, halfc, cs, lut, cmp)
+                lanes = 0
+                if CELL_LANES and base == "nc" and not search and n > 4:
+                    lanes = lane_cells(tab, ncell, n)
+                table = (tab.to(device), ncell, halfc, cs, lut, cmp, lanes)
                 rot = codec.rotation
                 tiles = None
                 if type(rot) is Rotation and rot.blocks == hadamard_blocks(d):
@@ -1038,7 +1142,7 @@ class StorePlan:
         self.scale_mode, self.search = modes.pop() if modes else (0, False)
         two_4bit = all(m in (TQ, TQ_DENSE) and b == 4 for m, b, *_ in self.sides)
         if two_4bit and self.scale_mode == SCALE_MODES["unbiased"] and not LANE_LUT_TWO_4BIT_UB:
-            self.sides = [(*side[:5], (*side[5][:4], "", "")) for side in self.sides]
+            self.sides = [(*side[:5], (*side[5][:4], "", "", 0)) for side in self.sides]
         if self.search:
             self.gains = torch.tensor(SEARCH_GAINS, dtype=torch.float32, device=device)
         self.group = [self._group(mode, bits) for mode, bits, *_ in self.sides]
@@ -1137,7 +1241,7 @@ def store_kv(
         if gs is not None:
             p = p.view(WORD_DTYPES[1 if gs == -8 else bits // 2 if gs < 0 else bits if gs == 0 else gs // 8])
         args += [p, pages[sc] if sc else p, pages[zr] if zr else p, table[0] if table else p]
-        cells.append(table[1:] if table else (1, 0, 1.0, "", ""))
+        cells.append(table[1:] if table else (1, 0, 1.0, "", "", 0))
     if plan.tiles is not None:
         w, g0, nt, rest = plan.tiles
         rest = rest + [(0, 16)] * (3 - len(rest))
@@ -1153,9 +1257,9 @@ def store_kv(
         plan.gains if plan.search else first,
         HKV=hkv, BS=bs, D=d, DP=dp, BT=bt, C=min(dp, 64),
         KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, KNCELL=cells[0][0], KHALFC=cells[0][1], KCS=cells[0][2],
-        KLUT=cells[0][3], KCMP=cells[0][4] if CMP_2BIT else "",
+        KLUT=cells[0][3], KCMP=cells[0][4] if CMP_2BIT else "", KLANES=cells[0][5],
         VMODE=vm, VBITS=vb, VGS=plan.group[1] or 0, VNCELL=cells[1][0], VHALFC=cells[1][1], VCS=cells[1][2],
-        VLUT=cells[1][3], VCMP=cells[1][4] if CMP_2BIT else "",
+        VLUT=cells[1][3], VCMP=cells[1][4] if CMP_2BIT else "", VLANES=cells[1][5],
         SCALE_MODE=plan.scale_mode, SEARCH=plan.search,
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
