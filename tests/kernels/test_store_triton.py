@@ -314,6 +314,66 @@ def test_cell_table_matches_bucketize(bits, d):
         assert torch.equal(cv, cb[want])
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_cell_lanes_match_bucketize(bits, d):
+    """`_tq_lookup_lanes`' lane tables, emulated in torch: the cell of round(y * CS) clamped to the lanes'
+    cells [lo, hi] gives index = base + (y > own boundary) equal to torch.bucketize (the reference), and the
+    third table's term at that index equals what `_tq_scale_terms` rounds from the scaled centroid (the fma
+    cq * cq + 1.5 * 2^(23 + SCALE_QS) in float32, less its bits' offset)."""
+    from tqserve.kvquant.reference import SCALE_QS, tq_codebook
+
+    cb, bnd = tq_codebook(bits, d)
+    tab, ncell, halfc, cs = store_triton._cell_table(cb, bnd)
+    lanes = store_triton.lane_cells(tab, ncell, cb.numel())
+    assert lanes > 0
+    lo, span = (lanes - 1) // 64, (lanes - 1) % 64
+    assert span < 32
+    t0 = 2 * ncell + 2 * cb.numel()
+    lane_p, lane_b, lane_t = tab[t0 : t0 + 32], tab[t0 + 32 : t0 + 64], tab[t0 + 64 : t0 + 96]
+    gen = torch.Generator().manual_seed(bits * 100 + d)
+    y = torch.cat(
+        [
+            torch.randn(200_000, generator=gen) / d**0.5,
+            torch.rand(20_000, generator=gen) * 2.02 - 1.01,
+            bnd,
+            torch.nextafter(bnd, torch.tensor(-1.0)),
+            torch.nextafter(bnd, torch.tensor(1.0)),
+            torch.tensor([0.0, -0.0, 1.0, -1.0, 1.01, -1.01]),
+        ]
+    ).float()
+    want = torch.bucketize(y, bnd)
+    for wobble in (1.0, 1.0 + 2.0**-21, 1.0 - 2.0**-21):
+        cell = ((y * (cs * wobble)).double().round().long() + halfc - lo).clamp(0, span)
+        idx = lane_b[cell] + (y > lane_p[cell].view(torch.float32)).int()
+        assert torch.equal(idx.long(), want), f"{int((idx != want).sum())} indices differ"
+    cq = (cb.float() * 2.0**SCALE_QS).double()
+    fma = (cq * cq + 1.5 * 2.0 ** (23 + SCALE_QS)).float()  # one rounding: the float64 sum is exact
+    terms = fma.view(torch.int32) - (0x4B400000 + (SCALE_QS << 23))
+    assert torch.equal(lane_t[torch.arange(cb.numel())], terms)
+
+
+@pytest.mark.parametrize(
+    "preset,d,dtype", [("turboquant_4bit_nc", 128, torch.bfloat16), ("turboquant_3bit_nc", 64, torch.float32)]
+)
+def test_store_cell_lanes_everywhere(preset, d, dtype, monkeypatch):
+    """The lane-table lookup on every nc side of 3- or 4-bit codes (`CELL_LANES = 2`, not only where both
+    sides are TurboQuant): the reference's page bits."""
+    monkeypatch.setattr(store_triton, "CELL_LANES", 2)
+    plan = StorePlan(make_layer_format(preset, 1, 2, d, dtype), "cpu")
+    assert plan.sides[0][5][6] > 0
+    _bit_identical_case(preset, d, dtype, 40, seed=19)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lanes", [0, 2])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "tq_k4v4_nc"])
+def test_store_cell_lanes_gpu(preset, lanes, monkeypatch):
+    """The lane-table lookup (`CELL_LANES`) on and off for every nc side: the reference's page bits."""
+    monkeypatch.setattr(store_triton, "CELL_LANES", lanes)
+    _bit_identical_case(preset, 128, torch.bfloat16, 20000, seed=23)
+
+
 def _backend_two_steps(preset, hq, hkv, d, steps, seed, tol=1e-2):
     """The attention kernel reads what the store kernel wrote (see `backend_step_errors`)."""
     errs = backend_step_errors(preset, hq, hkv, d, steps, seed, seed, DEV)

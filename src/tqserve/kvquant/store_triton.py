@@ -87,10 +87,15 @@ SIGNS_AT_LOAD = 1
 # tq_k4v4_* (tq_k4v4_ub 80 -> 96 registers). H100, twenty-sixth session, same bench, points of copy gained:
 # tq4 +0.5 to +0.9, tq_k4v4_ub +0.5 to +0.9, tq_k4v4_nc +0.1 to +0.6, tq3 -0.5 to +0.1
 SIGN_XOR = 1
-# nc sides of 3- or 4-bit codes whose cell table fits a warp (NCELL <= 32): the cell's boundary and base by
-# two warp shuffles from lane tables (`_tq_lookup_lanes`), and the element's rounded ||c||^2 term by a third
-# at the index found, instead of an 8-byte load at a 64-bit address, the scaled centroid's shuffle, an fma and
-# a subtraction per element (0: the cell table in global memory)
+# nc sides of 3- or 4-bit codes (their boundaries' cells span under 32): the cell's boundary and base by two
+# warp shuffles from lane tables (`_tq_lookup_lanes`), and the element's rounded ||c||^2 term by a third at
+# the index found, instead of an 8-byte load at a 64-bit address, the scaled centroid's shuffle, an fma and a
+# subtraction per element. 1: where both sides are TurboQuant, 2: every such side, 0: none. sm_90
+# instructions per program (off -> on): 4bit_nc 1,984 -> 1,888, 3bit_nc 2,040 -> 1,976, tq_k4v4_nc 2,376 ->
+# 2,192 (126 -> 96 registers). H200, thirty-second session, `store_bench.py --flush --slots pages`, 16K
+# tokens, two rounds, ms off / on: tq_k4v4_nc 0.0670 / 0.0658 and 0.0671 / 0.0659; slower with one TurboQuant
+# side: 4bit_nc 0.0472 / 0.0476 (both rounds), 3bit_nc 0.0510 / 0.0519, k3v4_nc 0.0516 / 0.0528 (the
+# store is not bound by issued instructions there).
 CELL_LANES = 1
 # `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
 # Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
@@ -376,14 +381,13 @@ def _lane_entry(z32, ptr):
 
 
 @triton.jit
-def _tq_lookup_lanes(
-    y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, L: tl.constexpr, LANES: tl.constexpr
-):
+def _tq_lookup_lanes(y, a, b, tab_ptr, NCELL: tl.constexpr, HALFC: tl.constexpr, L: tl.constexpr, LANES: tl.constexpr):
     """(#{boundaries < y}, round(c^2 * 2^SCALE_QS) of that index's centroid c) per element: `_tq_lookup`'s
     cell (a * b picks it, the same fma), clamped to the cells [lo, hi] around the boundaries (LANES =
     `lane_cells`), whose boundary and base come from lane tables by two warp shuffles, and the term by a
-    third (`_cell_table`'s lane tables; hi - lo and the centroid count L below 32). No load in the element's chain, no address arithmetic, and the nc
-    scale's term (`_tq_scale_terms`, exact in int32) without the centroid, an fma or a subtraction."""
+    third (`_cell_table`'s lane tables; hi - lo and the centroid count L below 32). No load in the
+    element's chain, no address arithmetic, and the nc scale's term (`_tq_scale_terms`, exact in int32)
+    without the centroid, an fma or a subtraction."""
     LO: tl.constexpr = (LANES - 1) // 64
     SPAN: tl.constexpr = (LANES - 1) % 64
     T0: tl.constexpr = 2 * NCELL + 2 * L
@@ -615,7 +619,8 @@ def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: 
 def _tq_side(
     x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr,
-    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr, LANES: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
+    LANES: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr,
     NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr, O2: tl.constexpr, W2: tl.constexpr,
@@ -800,7 +805,8 @@ def _tq_side(
 def _store_side(
     x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr, LANES: tl.constexpr,
+    NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
+    LANES: tl.constexpr,
     SEARCH: tl.constexpr, NGAIN: tl.constexpr, NSPLIT: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
@@ -896,9 +902,11 @@ def _store_kv_kernel(
     kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
     HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
-    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr, KLUT: tl.constexpr, KCMP: tl.constexpr, KLANES: tl.constexpr,
+    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr, KLUT: tl.constexpr, KCMP: tl.constexpr,
+    KLANES: tl.constexpr,
     VMODE: tl.constexpr, VBITS: tl.constexpr, VGS: tl.constexpr,
-    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr, VLUT: tl.constexpr, VCMP: tl.constexpr, VLANES: tl.constexpr,
+    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr, VLUT: tl.constexpr, VCMP: tl.constexpr,
+    VLANES: tl.constexpr,
     SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
@@ -913,11 +921,13 @@ def _store_kv_kernel(
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
-                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES, SEARCH, NGAIN,
-                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
+                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
+                SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
+                B0, B1, B2, B3, SIGNS)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
-                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES, SEARCH, NGAIN,
-                NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
+                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
+                SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
+                B0, B1, B2, B3, SIGNS)  # fmt: skip
 
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
@@ -1140,6 +1150,8 @@ class StorePlan:
         if {s[0] for s in self.sides} == {TQ, TQ_DENSE}:
             raise NotImplementedError("keys and values with different rotations")
         self.scale_mode, self.search = modes.pop() if modes else (0, False)
+        if CELL_LANES == 1 and not all(m in (TQ, TQ_DENSE) for m, *_ in self.sides):
+            self.sides = [(*side[:5], (*side[5][:6], 0) if side[5] else None) for side in self.sides]
         two_4bit = all(m in (TQ, TQ_DENSE) and b == 4 for m, b, *_ in self.sides)
         if two_4bit and self.scale_mode == SCALE_MODES["unbiased"] and not LANE_LUT_TWO_4BIT_UB:
             self.sides = [(*side[:5], (*side[5][:4], "", "", 0)) for side in self.sides]
