@@ -762,20 +762,25 @@ def test_narrow_3bit_gpu_real_sizes(preset, hq, hkv, d, narrow_spy):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("lookup", "pair_tables"), [("shfl", 1), ("prmt", 1), ("shfl", 2)])
+@pytest.mark.parametrize(
+    ("lookup", "pair_tables", "join"), [("shfl", 1, 1), ("prmt", 1, 1), ("shfl", 2, 1), ("shfl", 1, 0), ("shfl", 1, 2)]
+)
 @pytest.mark.parametrize(
     "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3]
 )
 @pytest.mark.parametrize(("qlen", "narrow_on"), [(1, True), (1, False), (5, True), (5, False)])
-def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, qlen, narrow_on, monkeypatch):
+def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, narrow_on, monkeypatch):
     """The inline-PTX slice decoders (shuffle or PRMT codebook lookups, pair tables of 2-bit codes,
-    magic-number min-max values) must produce the fp16 operands bit for bit: outputs identical to the
-    gather path on the same pages, for decode (both kernels) and for verify rows (tq3's through the
-    narrow kernel too)."""
+    magic-number min-max values; shuffled pairs joined by a permute or an add, `JOIN_ADD`) must produce
+    the fp16 operands bit for bit: outputs identical to the gather path on the same pages, for decode
+    (both kernels) and for verify rows (tq3's through the narrow kernel too)."""
     if preset in NARROW3 and not narrow_on:
         pytest.skip("3-bit codes have no decoders outside the narrow kernel")
     if pair_tables == 2 and preset not in ("tq3", "tq_k2v4_nc", "tq_k4v2_nc", "tq_k3v2_ub"):
         pytest.skip("PAIR_TABLES = 2 changes only 2-bit codebook decoders")
+    if join != 1 and preset in NARROW3:
+        pytest.skip("JOIN_ADD changes only the 2- / 4-bit shuffle decoders")
+    monkeypatch.setattr(paged_decode, "JOIN_ADD", join)
     monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     monkeypatch.setattr(paged_decode, "PAIR_TABLES", pair_tables)
     monkeypatch.setattr(paged_decode, "PRMT2_DECODE", 0)  # PAIR_TABLES alone picks the 2-bit decoders

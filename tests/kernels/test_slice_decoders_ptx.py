@@ -82,6 +82,9 @@ def run_ptx(block: str, inputs: dict[str, list[int]], outputs: list[str]) -> dic
                 r = v[0] * v[1]
             elif op.startswith("mad.lo"):
                 r = v[0] * v[1] + v[2]
+            elif op.startswith("add.rn.f16x2"):
+                h = [np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16) for x in v]
+                r = int((h[0] + h[1]).view(np.uint16).astype(np.uint32) @ np.array([1, 1 << 16], dtype=np.uint32))
             elif op.startswith("add"):
                 r = v[0] + v[1]
             elif op.startswith("prmt"):
@@ -103,13 +106,18 @@ def _cb_bits(bits: int, d: int = 128) -> list[int]:
     return [int(v) & 0xFFFF for v in c.view(torch.int16).numpy()]
 
 
-@pytest.mark.parametrize("pairs", [0, 1, 2])
+@pytest.mark.parametrize("pairs", [0, 1, 2, 3])
 def test_two_bit_pair_decoders(pairs):
-    """`shfl_pair_slices` (one shuffle per two codes), `shfl_slices` at 2 bits and `prmt_pair_slices`
-    (no shuffle): all 256 x 256 (word 0, word 1) byte-word pairs, every slice."""
+    """`shfl_pair_slices` (one shuffle per two codes), `shfl_slices` at 2 bits (pairs joined by a permute,
+    or by an f16x2 add: 3) and `prmt_pair_slices` (no shuffle): all 256 x 256 (word 0, word 1) byte-word
+    pairs, every slice."""
     host = tq_codebook(2, 128)[0].half()
     table = _cb_bits(2)
-    make = {0: lambda h: paged_decode.shfl_slices(h, 2), 1: paged_decode.shfl_pair_slices}
+    make = {
+        0: lambda h: paged_decode.shfl_slices(h, 2),
+        1: paged_decode.shfl_pair_slices,
+        3: lambda h: paged_decode.shfl_slices(h, 2, True),
+    }
     blocks = make.get(pairs, paged_decode.prmt_pair_slices)(host)
     rng = np.random.default_rng(0)
     words = [(w0, w1) for w0 in range(256) for w1 in range(256)]
@@ -140,9 +148,10 @@ def test_two_bit_decoders_byte_words(pairs):
                 assert _halves(got["$1"][lane]) == (table[codes[2]], table[codes[3]])
 
 
-@pytest.mark.parametrize("lookup", ["shfl", "prmt"])
+@pytest.mark.parametrize("lookup", ["shfl", "prmt", "shfl_join"])
 def test_four_bit_decoders(lookup):
-    """`shfl_slices` and `prmt_slices` (symmetric codebook) at 4 bits: random word pairs, every slice."""
+    """`shfl_slices` (pairs joined by a permute or, `join`, an f16x2 add) and `prmt_slices` (symmetric
+    codebook) at 4 bits: random word pairs, every slice."""
     host = tq_codebook(4, 128)[0].half()
     table = _cb_bits(4)
     rng = np.random.default_rng(2)
@@ -151,7 +160,7 @@ def test_four_bit_decoders(lookup):
         assert tables is not None, "the 4-bit codebook is symmetric"
         blocks = paged_decode.prmt_slices(tables)
     else:
-        blocks = paged_decode.shfl_slices(host, 4)
+        blocks = paged_decode.shfl_slices(host, 4, lookup == "shfl_join")
     if any("setp" in b for b in blocks):  # the 4-bit table takes a predicate: emulate selp here
         blocks = [_inline_selp(b) for b in blocks]
     for j, block in enumerate(blocks):

@@ -59,14 +59,17 @@ MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # GPU decoders of 2- / 4-bit slices: "shfl" (codebook lookups by warp shuffles, min-max by fp16 magic
 # numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
-# Right shifts of the shuffle and min-max decoders as `mul.hi.u32` by 2^(32 - s) (an IMAD.HI on the FMA
-# pipe, the same bits as `shr.u32` by s) instead of SHF on the integer ALU pipe, which the decoders keep
-# busiest (ncu, twenty-seventh session: ALU 53.8%, FMA 11.8%, math-pipe throttle 9.3% of stall samples):
-# 0 none, 1 the shuffle decoders' high-word shifts, 2 all their shifts, 3 the min-max values' right shifts too
-SHIFT_MUL = 0
 # The shuffle decoders' pairs (c[a], c[b]) joined by an f16x2 add of (c[a], 0) and (0, c[b]), shuffled from
-# two lane tables (one more register), on the FMA pipe, instead of a PRMT on the integer ALU pipe (0: PRMT)
-JOIN_ADD = 0
+# two lane tables (one more register), on the FMA pipe, instead of a PRMT on the integer ALU pipe: 1 over
+# layouts with 4-bit codebook values (both sides then decode by shuffles; `join_add`), 2 everywhere, 0 never.
+# H200, thirty-second session, CUDA-graph replays, medians of 3 rounds, ms, PRMT / add: tq_k4v4_nc 32 x 32K
+# 0.5365 / 0.5260, 1 x 128K 0.0889 / 0.0874; tq3 (2-bit values, keys only) 0.4325 / 0.4316, 0.0751 / 0.0754,
+# verify 0.6869 / 0.6835; turboquant_4bit_nc (min-max values, 128 registers: 4 spill loads in the loop) 0.4179
+# / 0.4240, 0.0686 / 0.0691. (Not kept, same calls: the decoders' right shifts as `mul.hi.u32` by 2^(32 - s),
+# IMAD.HI on the FMA pipe instead of SHF on the ALU pipe, which ncu had found busiest (ALU 53.8%, FMA
+# 11.8%): slower at every step, 4bit_nc 32 x 32K 0.4133 -> 0.4264 / 0.4418 / 0.4616 with the keys' high
+# words / all key shifts / the min-max values' too, tq_k4v4_nc 0.5365 -> 0.5642 / 0.5849 / 0.5881.)
+JOIN_ADD = 1
 # (Mixed, one or two of a 4-bit codebook side's four slices by byte permutes and the rest by shuffles, to
 # move lookups off the shuffle pipe: slower everywhere. H200, thirty-first session, ms, shuffles / 1 / 2
 # slices by permutes: 4bit_nc 32 x 32K 0.414 / 0.471 / 0.512, 32 x 5 x 32K 0.622 / 0.635 / 0.672, 1 x 128K
@@ -274,13 +277,12 @@ def _byte_words(vals: list[int]) -> list[int]:
     return [vals[i] | vals[i + 1] << 8 | vals[i + 2] << 16 | vals[i + 3] << 24 for i in range(0, len(vals), 4)]
 
 
-def _shr(dst: str, src: str, s: int, mul: bool) -> str:
-    """PTX of dst = src >> s (unsigned, 0 < s < 32): `shr.u32`, or with `mul` the high word of src * 2^(32 - s)
-    (`SHIFT_MUL`: the same bits, issued on the FMA pipe)."""
-    return f"mul.hi.u32 {dst}, {src}, {1 << (32 - s):#x};\n" if mul else f"shr.u32 {dst}, {src}, {s};\n"
+def join_add(layout) -> bool:
+    """Whether the layout's shuffle decoders join their pairs by an f16x2 add (`JOIN_ADD`)."""
+    return JOIN_ADD == 2 or bool(JOIN_ADD) and layout.val_mode == CODEBOOK and layout.val_bits == 4
 
 
-def shfl_slices(codebook16, bits: int) -> tuple[str, str, str, str]:
+def shfl_slices(codebook16, bits: int, join: bool = False) -> tuple[str, str, str, str]:
     """PTX of slice j = 0..3 (same contract as `prmt_slices`, 2- or 4-bit codes in 16-bit words) by
     warp-shuffle lookups: lane l holds the fp16 centroid c[l mod 2^b] in a register, and
     `shfl.sync.idx` with the code as source lane returns c[code] - one shuffle per value, no selector
@@ -309,17 +311,17 @@ def shfl_slices(codebook16, bits: int) -> tuple[str, str, str, str]:
     else:  # four entries: one word of lo bytes, one of hi bytes
         common += "and.b32 m, l, 3;\nprmt.b32 lo, L0, L0, m;\nprmt.b32 hi, H0, H0, m;\n"
     common += "prmt.b32 tb, lo, hi, 0x0040;\n"  # fp16 c[l mod 2^b] in the low half
-    if JOIN_ADD:  # (c, 0) and (0, c)
+    if join:  # (c, 0) and (0, c)
         common = common.replace(".reg .b32 l,", ".reg .b32 th, l,", 1)
         common += "and.b32 tb, tb, 0xffff;\nshl.b32 th, tb, 16;\n"
     out = []
     for j in range(4):
-        body = common + (_shr("xa", "$1", bits * j, SHIFT_MUL >= 2) if j else "mov.b32 xa, $1;\n")
-        body += _shr("xb", "$1", 16 + bits * j, SHIFT_MUL >= 1)
+        body = common + (f"shr.u32 xa, $1, {bits * j};\n" if j else "mov.b32 xa, $1;\n")
+        body += f"shr.u32 xb, $1, {16 + bits * j};\n"
         body += "shfl.sync.idx.b32 ra, tb, xa, 0x1f, 0xffffffff;\n"
-        body += f"shfl.sync.idx.b32 rb, {'th' if JOIN_ADD else 'tb'}, xb, 0x1f, 0xffffffff;\n"
-        # (ra.lo, rb.lo): a permute, or the exact sum (c[a] + 0, 0 + c[b])
-        body += "add.rn.f16x2 $0, ra, rb;\n" if JOIN_ADD else "prmt.b32 $0, ra, rb, 0x5410;\n"
+        body += f"shfl.sync.idx.b32 rb, {'th' if join else 'tb'}, xb, 0x1f, 0xffffffff;\n"
+        # (ra.lo, rb.lo): a permute, or with `join` the exact sum (c[a] + 0, 0 + c[b])
+        body += "add.rn.f16x2 $0, ra, rb;\n" if join else "prmt.b32 $0, ra, rb, 0x5410;\n"
         out.append("{\n" + body + "}")
     return tuple(out)
 
@@ -519,7 +521,7 @@ def minmax_slices(bits: int) -> tuple[str, str, str, str]:
         shift = 10 - bits - bits * j
         body = ".reg .b32 t;\n"
         if shift:
-            body += f"shl.b32 t, $1, {shift};\n" if shift > 0 else _shr("t", "$1", -shift, SHIFT_MUL >= 3)
+            body += f"shl.b32 t, $1, {shift};\n" if shift > 0 else f"shr.u32 t, $1, {-shift};\n"
         else:
             body += "mov.b32 t, $1;\n"
         body += f"lop3.b32 $0, t, {mask | mask << 16:#x}, {one | one << 16:#x}, 0xea;\n"  # (t & mask) | 2^b
@@ -1062,7 +1064,7 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
     if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits in (3, 5) and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    key = (side, bits, LOOKUP, pairs, SHIFT_MUL, JOIN_ADD)
+    key = (side, bits, LOOKUP, pairs, join_add(layout))
     if key not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
@@ -1076,7 +1078,7 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
         elif LOOKUP == "shfl" and bits == 2 and pairs:
             cache[key] = shfl_pair_slices(host)
         elif LOOKUP == "shfl":
-            cache[key] = shfl_slices(host, bits)
+            cache[key] = shfl_slices(host, bits, join_add(layout))
         else:
             tables = prmt_tables(host)
             cache[key] = prmt_slices(tables) if tables is not None else none
