@@ -778,8 +778,9 @@ def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, nar
         pytest.skip("3-bit codes have no decoders outside the narrow kernel")
     if pair_tables == 2 and preset not in ("tq3", "tq_k2v4_nc", "tq_k4v2_nc", "tq_k3v2_ub"):
         pytest.skip("PAIR_TABLES = 2 changes only 2-bit codebook decoders")
-    if join != 1 and preset in NARROW3:
-        pytest.skip("JOIN_ADD changes only the 2- / 4-bit shuffle decoders")
+    by_default = preset in ("tq_k4v4_nc", "tq_k4v4_ub") and qlen == 1  # `join_add` at JOIN_ADD = 1
+    if join != 1 and (lookup != "shfl" or preset in NARROW3 or (join == 0) != by_default):
+        pytest.skip("JOIN_ADD = 0 / 2 change the 2- / 4-bit shuffle decoders of steps that join / do not by default")
     monkeypatch.setattr(paged_decode, "JOIN_ADD", join)
     monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     monkeypatch.setattr(paged_decode, "PAIR_TABLES", pair_tables)
@@ -805,6 +806,22 @@ def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, nar
             paged_attention(q, k, v, store.pages[0], lay, meta, d**-0.5, ring=store.ring[0], sinks=store.sinks[0])
         )
     assert torch.equal(outs[0], outs[1])
+
+
+def test_join_add_rule(monkeypatch):
+    """`join_add`: decode steps over 4-bit codebook keys and values at JOIN_ADD = 1 (verify steps and other
+    layouts keep the permute); every step at 2; none at 0."""
+    lays = {p: layout_for_format(make_layer_format(p, 3, 2, 128, torch.bfloat16), "cpu") for p in PRESETS_JOIN}
+    want = {("tq_k4v4_nc", 1), ("tq_k4v4_ub", 1)}
+    got = {(p, q) for p, lay in lays.items() for q in (1, 5) if paged_decode.join_add(lay, q)}
+    assert got == want
+    monkeypatch.setattr(paged_decode, "JOIN_ADD", 2)
+    assert all(paged_decode.join_add(lay, q) for lay in lays.values() for q in (1, 5))
+    monkeypatch.setattr(paged_decode, "JOIN_ADD", 0)
+    assert not any(paged_decode.join_add(lay, q) for lay in lays.values() for q in (1, 5))
+
+
+PRESETS_JOIN = ("turboquant_4bit_nc", "tq_k4v4_nc", "tq_k4v4_ub", "tq3", "tq_k2v4_nc")
 
 
 def test_prefetch_pages_rule(monkeypatch):

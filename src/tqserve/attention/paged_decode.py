@@ -60,8 +60,10 @@ MIN_HEAD_DIM = 64  # smallest head size dispatched here
 # numbers), "prmt" (4-bit codebook lookups by byte permutes), "gather" (fp16 loads, as in the interpreter).
 LOOKUP = "shfl"
 # The shuffle decoders' pairs (c[a], c[b]) joined by an f16x2 add of (c[a], 0) and (0, c[b]), shuffled from
-# two lane tables (one more register), on the FMA pipe, instead of a PRMT on the integer ALU pipe: 1 over
-# layouts with 4-bit codebook values (both sides then decode by shuffles; `join_add`), 2 everywhere, 0 never.
+# two lane tables (one more register), on the FMA pipe, instead of a PRMT on the integer ALU pipe: 1 in decode
+# steps over layouts with 4-bit codebook keys and values (`join_add`), 2 everywhere, 0 never. Verify steps
+# were slower with it (32 x 5 x 32K, PRMT / add: tq_k4v4_nc 0.7252 / 0.7445, tq_k4v4_ub 0.7212 / 0.7402; same
+# call: decode 0.5377 / 0.5274 and 0.5346 / 0.5252, 1 x 128K 0.0890 / 0.0884 and 0.0892 / 0.0881).
 # H200, thirty-second session, CUDA-graph replays, medians of 3 rounds, ms, PRMT / add: tq_k4v4_nc 32 x 32K
 # 0.5365 / 0.5260, 1 x 128K 0.0889 / 0.0874; tq3 (2-bit values, keys only) 0.4325 / 0.4316, 0.0751 / 0.0754,
 # verify 0.6869 / 0.6835; turboquant_4bit_nc (min-max values, 128 registers: 4 spill loads in the loop) 0.4179
@@ -277,9 +279,10 @@ def _byte_words(vals: list[int]) -> list[int]:
     return [vals[i] | vals[i + 1] << 8 | vals[i + 2] << 16 | vals[i + 3] << 24 for i in range(0, len(vals), 4)]
 
 
-def join_add(layout) -> bool:
-    """Whether the layout's shuffle decoders join their pairs by an f16x2 add (`JOIN_ADD`)."""
-    return JOIN_ADD == 2 or bool(JOIN_ADD) and layout.val_mode == CODEBOOK and layout.val_bits == 4
+def join_add(layout, max_query_len: int) -> bool:
+    """Whether a step's shuffle decoders join their pairs by an f16x2 add (`JOIN_ADD`)."""
+    four_bit = layout.key_bits == 4 and layout.val_mode == CODEBOOK and layout.val_bits == 4  # as measured
+    return JOIN_ADD == 2 or bool(JOIN_ADD) and max_query_len <= 1 and four_bit
 
 
 def shfl_slices(codebook16, bits: int, join: bool = False) -> tuple[str, str, str, str]:
@@ -1050,9 +1053,9 @@ def pair_tables(narrow: bool, max_query_len: int) -> int:
     return 2 if PRMT2_DECODE and narrow and max_query_len == 1 else PAIR_TABLES
 
 
-def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[str, str, str, str]:
+def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: bool = False) -> tuple[str, str, str, str]:
     """Inline-PTX slice decoders for a side on the GPU (`LOOKUP`), else empty strings (gathers);
-    `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None)."""
+    `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None); `join`: `join_add`."""
     pairs = PAIR_TABLES if pairs is None else pairs
     none = ("", "", "", "")
     if _interpreting() or LOOKUP == "gather" or not layout.key_cb16.is_cuda:
@@ -1064,7 +1067,7 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
     if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits in (3, 5) and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    key = (side, bits, LOOKUP, pairs, join_add(layout))
+    key = (side, bits, LOOKUP, pairs, join)
     if key not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
@@ -1078,7 +1081,7 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None) -> tuple[st
         elif LOOKUP == "shfl" and bits == 2 and pairs:
             cache[key] = shfl_pair_slices(host)
         elif LOOKUP == "shfl":
-            cache[key] = shfl_slices(host, bits, join_add(layout))
+            cache[key] = shfl_slices(host, bits, join)
         else:
             tables = prmt_tables(host)
             cache[key] = prmt_slices(tables) if tables is not None else none
@@ -1207,8 +1210,9 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     vcb = vcb if vcb is not None else kcb
     # float32 models gather float32 centroids (the asm decoders make fp16 operands)
     pairs = pair_tables(use_narrow, meta.max_query_len)
-    kasm = ("", "", "", "") if model_f32 else _asm_for(layout, "k", layout.key_bits, pairs)
-    vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits, pairs)
+    join = join_add(layout, meta.max_query_len)
+    kasm = ("", "", "", "") if model_f32 else _asm_for(layout, "k", layout.key_bits, pairs, join)
+    vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits, pairs, join)
     byte_vals = (
         layout.val_mode == CODEBOOK and layout.val_bits == 2 and bq * gp >= BYTE_VALUES_ROWS and d >= BYTE_VALUES_MIN_D
     )
