@@ -645,7 +645,9 @@ def test_narrow_value_decoders(byte_values, monkeypatch):
     where `narrow.byte_values` says so, else the two-words-per-register ones. (The interpreter runs no
     inline PTX, so the decoders are stand-ins and the launch is recorded, not run.)"""
     monkeypatch.setattr(narrow, "BYTE_VALUES_VERIFY", byte_values)
-    monkeypatch.setattr(paged_decode, "_asm_for", lambda layout, side, bits, pairs=None: (f"{side}-pair",) * 4)
+    monkeypatch.setattr(
+        paged_decode, "_asm_for", lambda layout, side, bits, pairs=None, join=False: (f"{side}-pair",) * 4
+    )
     monkeypatch.setattr(paged_decode, "_asm_b8", lambda layout: ("v-bytes",) * 4)
     monkeypatch.setattr(paged_decode, "_asm_prmt_b8", lambda layout: ("v-prmt-bytes",) * 4)
     got = {}
