@@ -933,8 +933,9 @@ def _store_kv_kernel(
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
     """`_tq_lookup`'s table for centroids cb [L] and ascending boundaries bnd [L - 1] (float32):
     (int32 table: [NCELL, 2] flat (own boundary as bits, base), then the L centroids' bits, then
-    theirs times 2^SCALE_QS (`_tq_scale_terms`), then where NCELL and L are at most 32 the lane tables
-    of `_tq_lookup_lanes` (3 x 32 entries at offset `lane_tables_at`); NCELL,
+    theirs times 2^SCALE_QS (`_tq_scale_terms`), then, where the cells around the boundaries number at
+    most 32 and L <= 32, the lane tables of `_tq_lookup_lanes` (3 x 32 entries at 2 NCELL + 2 L,
+    `lane_cells`); NCELL,
     HALFC, CS). Cell k (k = round(y * CS) + HALFC) covers
     CS * y in [k - HALFC - 1/2, k - HALFC + 1/2). CS is picked so that every cell holds at most
     one boundary and none lies within `margin` of a cell edge (so y * CS may be computed with a
