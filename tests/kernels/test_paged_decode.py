@@ -810,6 +810,9 @@ def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, nar
     assert torch.equal(outs[0], outs[1])
 
 
+PRESETS_JOIN = ("turboquant_4bit_nc", "tq_k4v4_nc", "tq_k4v4_ub", "tq3", "tq_k2v4_nc")
+
+
 def test_join_add_rule(monkeypatch):
     """`join_add`: decode steps over 4-bit codebook keys and values at JOIN_ADD = 1 (verify steps and other
     layouts keep the permute); every step at 2; none at 0."""
@@ -821,9 +824,6 @@ def test_join_add_rule(monkeypatch):
     assert all(paged_decode.join_add(lay, q) for lay in lays.values() for q in (1, 5))
     monkeypatch.setattr(paged_decode, "JOIN_ADD", 0)
     assert not any(paged_decode.join_add(lay, q) for lay in lays.values() for q in (1, 5))
-
-
-PRESETS_JOIN = ("turboquant_4bit_nc", "tq_k4v4_nc", "tq_k4v4_ub", "tq3", "tq_k2v4_nc")
 
 
 def test_prefetch_pages_rule(monkeypatch):
