@@ -984,9 +984,9 @@ def lane_cells(tab: torch.Tensor, ncell: int, n: int) -> int:
     sit at 2 NCELL + 2 n)."""
     if tab.numel() == 2 * ncell + 2 * n:
         return 0
-    own = tab[0 : 2 * ncell : 2].to(torch.int64) & 0xFFFFFFFF
-    cells = (own != 0x7F800000).nonzero().flatten()
-    lo, hi = int(cells.min()) - 1, int(cells.max()) + 1
+    held = (tab[0 : 2 * ncell : 2].to(torch.int64) & 0xFFFFFFFF) != 0x7F800000  # cells with a boundary
+    k = torch.arange(ncell)
+    lo, hi = int(torch.where(held, k, ncell).min()) - 1, int(torch.where(held, k, -1).max()) + 1
     return 1 + 64 * lo + (hi - lo)
 
 
