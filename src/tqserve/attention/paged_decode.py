@@ -72,6 +72,12 @@ LOOKUP = "shfl"
 # 11.8%): slower at every step, 4bit_nc 32 x 32K 0.4133 -> 0.4264 / 0.4418 / 0.4616 with the keys' high
 # words / all key shifts / the min-max values' too, tq_k4v4_nc 0.5365 -> 0.5642 / 0.5849 / 0.5881.)
 JOIN_ADD = 1
+# Steps that do not join by an add join by an f16x2 fma instead of the PRMT (0: the PRMT; not timed yet): the
+# one lane table holds (c, 0), and (c[b], c[b]) * (0, 1) + (c[a], 0) = (c[a], c[b]) exactly, one HFMA2 whose
+# first operand ptxas takes as the register's low half twice (`.H0_H0`): no permute and no second table
+# register (offline sm_90, the 4bit_nc decode tile keeps its 128 registers and 775 instructions, 64 PRMT ->
+# HFMA2).
+JOIN_FMA = 0
 # (Mixed, one or two of a 4-bit codebook side's four slices by byte permutes and the rest by shuffles, to
 # move lookups off the shuffle pipe: slower everywhere. H200, thirty-first session, ms, shuffles / 1 / 2
 # slices by permutes: 4bit_nc 32 x 32K 0.414 / 0.471 / 0.512, 32 x 5 x 32K 0.622 / 0.635 / 0.672, 1 x 128K
@@ -285,7 +291,12 @@ def join_add(layout, max_query_len: int) -> bool:
     return JOIN_ADD == 2 or bool(JOIN_ADD) and max_query_len <= 1 and four_bit
 
 
-def shfl_slices(codebook16, bits: int, join: bool = False) -> tuple[str, str, str, str]:
+def join_mode(layout, max_query_len: int) -> int:
+    """`shfl_slices`' join of a step: 1 an add (`join_add`), 2 an fma (`JOIN_FMA`), 0 a permute."""
+    return 1 if join_add(layout, max_query_len) else 2 if JOIN_FMA else 0
+
+
+def shfl_slices(codebook16, bits: int, join: int = 0) -> tuple[str, str, str, str]:
     """PTX of slice j = 0..3 (same contract as `prmt_slices`, 2- or 4-bit codes in 16-bit words) by
     warp-shuffle lookups: lane l holds the fp16 centroid c[l mod 2^b] in a register, and
     `shfl.sync.idx` with the code as source lane returns c[code] - one shuffle per value, no selector
@@ -314,17 +325,26 @@ def shfl_slices(codebook16, bits: int, join: bool = False) -> tuple[str, str, st
     else:  # four entries: one word of lo bytes, one of hi bytes
         common += "and.b32 m, l, 3;\nprmt.b32 lo, L0, L0, m;\nprmt.b32 hi, H0, H0, m;\n"
     common += "prmt.b32 tb, lo, hi, 0x0040;\n"  # fp16 c[l mod 2^b] in the low half
-    if join:  # (c, 0) and (0, c)
+    if join == 1:  # (c, 0) and (0, c)
         common = common.replace(".reg .b32 l,", ".reg .b32 th, l,", 1)
         common += "and.b32 tb, tb, 0xffff;\nshl.b32 th, tb, 16;\n"
+    elif join == 2:  # (c, 0), and the fma's halves
+        common = common.replace(".reg .b32 l,", ".reg .b16 h, hh;\n.reg .b32 rr, one, l,", 1)
+        common += "and.b32 tb, tb, 0xffff;\nmov.b32 one, 0x3c000000;\n"
     out = []
     for j in range(4):
         body = common + (f"shr.u32 xa, $1, {bits * j};\n" if j else "mov.b32 xa, $1;\n")
         body += f"shr.u32 xb, $1, {16 + bits * j};\n"
         body += "shfl.sync.idx.b32 ra, tb, xa, 0x1f, 0xffffffff;\n"
-        body += f"shfl.sync.idx.b32 rb, {'th' if join else 'tb'}, xb, 0x1f, 0xffffffff;\n"
-        # (ra.lo, rb.lo): a permute, or with `join` the exact sum (c[a] + 0, 0 + c[b])
-        body += "add.rn.f16x2 $0, ra, rb;\n" if join else "prmt.b32 $0, ra, rb, 0x5410;\n"
+        body += f"shfl.sync.idx.b32 rb, {'th' if join == 1 else 'tb'}, xb, 0x1f, 0xffffffff;\n"
+        # (ra.lo, rb.lo): a permute; join 1: the exact sum (c[a] + 0, 0 + c[b]); join 2: the exact fma
+        # (c[b] * 0 + c[a], c[b] * 1 + 0) of (c[b], c[b]) (ptxas folds the pack into the HFMA2's operand)
+        if join == 1:
+            body += "add.rn.f16x2 $0, ra, rb;\n"
+        elif join == 2:
+            body += "mov.b32 {h, hh}, rb;\nmov.b32 rr, {h, h};\nfma.rn.f16x2 $0, rr, one, ra;\n"
+        else:
+            body += "prmt.b32 $0, ra, rb, 0x5410;\n"
         out.append("{\n" + body + "}")
     return tuple(out)
 
@@ -1053,9 +1073,9 @@ def pair_tables(narrow: bool, max_query_len: int) -> int:
     return 2 if PRMT2_DECODE and narrow and max_query_len == 1 else PAIR_TABLES
 
 
-def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: bool = False) -> tuple[str, str, str, str]:
+def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: int = 0) -> tuple[str, str, str, str]:
     """Inline-PTX slice decoders for a side on the GPU (`LOOKUP`), else empty strings (gathers);
-    `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None); `join`: `join_add`."""
+    `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None); `join`: `join_mode`."""
     pairs = PAIR_TABLES if pairs is None else pairs
     none = ("", "", "", "")
     if _interpreting() or LOOKUP == "gather" or not layout.key_cb16.is_cuda:
@@ -1210,7 +1230,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     vcb = vcb if vcb is not None else kcb
     # float32 models gather float32 centroids (the asm decoders make fp16 operands)
     pairs = pair_tables(use_narrow, meta.max_query_len)
-    join = join_add(layout, meta.max_query_len)
+    join = join_mode(layout, meta.max_query_len)
     kasm = ("", "", "", "") if model_f32 else _asm_for(layout, "k", layout.key_bits, pairs, join)
     vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits, pairs, join)
     byte_vals = (
