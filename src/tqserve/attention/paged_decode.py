@@ -75,8 +75,8 @@ JOIN_ADD = 1
 # Steps that do not join by an add join by an f16x2 fma instead of the PRMT (0: the PRMT; not timed yet): the
 # one lane table holds (c, 0), and (c[b], c[b]) * (0, 1) + (c[a], 0) = (c[a], c[b]) exactly, one HFMA2 whose
 # first operand ptxas takes as the register's low half twice (`.H0_H0`): no permute and no second table
-# register (offline sm_90, the 4bit_nc decode tile keeps its 128 registers and 775 instructions, 64 PRMT ->
-# HFMA2).
+# register. Offline sm_90: 4bit_nc verify keeps its 1,027 instructions per tile (64 PRMT -> HFMA2, no
+# spills); 4bit_nc decode at 128 registers goes 775 -> 785 with 7 spill loads in the loop.
 JOIN_FMA = 0
 # (Mixed, one or two of a 4-bit codebook side's four slices by byte permutes and the rest by shuffles, to
 # move lookups off the shuffle pipe: slower everywhere. H200, thirty-first session, ms, shuffles / 1 / 2
