@@ -769,7 +769,7 @@ def test_narrow_3bit_gpu_real_sizes(preset, hq, hkv, d, narrow_spy):
     [("shfl", 1, 1), ("prmt", 1, 1), ("shfl", 2, 1), ("shfl", 1, 0), ("shfl", 1, 2), ("shfl", 1, 3)],
 )
 @pytest.mark.parametrize(
-    "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3]
+    "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3, "tq4"]
 )
 @pytest.mark.parametrize(("qlen", "narrow_on"), [(1, True), (1, False), (5, True), (5, False)])
 def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, narrow_on, monkeypatch):
@@ -778,12 +778,14 @@ def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, nar
     JOIN_ADD, 3 the default JOIN_ADD with JOIN_FMA elsewhere) must produce the fp16 operands bit for bit:
     outputs identical to the gather path on the same pages, for decode (both kernels) and for verify rows
     (tq3's through the narrow kernel too)."""
-    if preset in NARROW3 and not narrow_on:
-        pytest.skip("3-bit codes have no decoders outside the narrow kernel")
+    if preset in [*NARROW3, "tq4"] and not narrow_on:
+        pytest.skip("3- and 5-bit codes have no decoders outside the narrow kernel")
+    if preset == "tq4" and join != 3:
+        pytest.skip("5-bit keys here for the fma join only (test_narrow_5bit_* cover the rest)")
     if pair_tables == 2 and preset not in ("tq3", "tq_k2v4_nc", "tq_k4v2_nc", "tq_k3v2_ub"):
         pytest.skip("PAIR_TABLES = 2 changes only 2-bit codebook decoders")
     by_default = preset in ("tq_k4v4_nc", "tq_k4v4_ub") and qlen == 1  # `join_add` at JOIN_ADD = 1
-    if join != 1 and (lookup != "shfl" or preset in NARROW3 or (join == 0) != by_default):
+    if join != 1 and (lookup != "shfl" or preset in NARROW3 and join != 3 or (join == 0) != by_default):
         pytest.skip("JOIN_ADD = 0 / 2 and JOIN_FMA change the 2- / 4-bit shuffle decoders of some steps only")
     monkeypatch.setattr(paged_decode, "JOIN_ADD", 1 if join == 3 else join)
     monkeypatch.setattr(paged_decode, "JOIN_FMA", int(join == 3))

@@ -218,12 +218,13 @@ def test_minmax_decoders(bits):
                     assert half == int(want), (bits, j, w)
 
 
-def test_three_bit_decoders():
-    """`shfl_slices3` (codebook) and `minmax_slices3` (u = 8 + code): two int32 words per call whose
-    low 3 bits are the codes and whose higher bits are the next codes (the kernel shifts slice j's
-    code down): every code pair, with random high bits."""
+@pytest.mark.parametrize("join", [0, 2])
+def test_three_bit_decoders(join):
+    """`shfl_slices3` (codebook; pairs joined by a permute or an f16x2 fma) and `minmax_slices3` (u = 8 +
+    code): two int32 words per call whose low 3 bits are the codes and whose higher bits are the next codes
+    (the kernel shifts slice j's code down): every code pair, with random high bits."""
     table = _cb_bits(3)
-    shfl = paged_decode.shfl_slices3(tq_codebook(3, 128)[0].half())
+    shfl = paged_decode.shfl_slices3(tq_codebook(3, 128)[0].half(), join)
     mm = paged_decode.minmax_slices3()
     assert len(set(shfl)) == 1 and len(set(mm)) == 1  # one string serves every slice
     rng = np.random.default_rng(3)
