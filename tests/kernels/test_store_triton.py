@@ -279,6 +279,22 @@ def test_store_search_dense_rotation(preset):
     _compare(preset, 2, 64, 21, seed=5, wmax=8)
 
 
+def _lookup_probes(bnd: torch.Tensor, d: int, seed: int) -> torch.Tensor:
+    """Rotated coordinates to look up: Gaussian ones of a d-vector, uniform ones over |y| <= 1.01, every
+    boundary and the floats either side of it, zeros of both signs and the range's ends (float32)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.cat(
+        [
+            torch.randn(200_000, generator=gen) / d**0.5,
+            torch.rand(20_000, generator=gen) * 2.02 - 1.01,
+            bnd,
+            torch.nextafter(bnd, torch.tensor(-1.0)),
+            torch.nextafter(bnd, torch.tensor(1.0)),
+            torch.tensor([0.0, -0.0, 1.0, -1.0, 1.01, -1.01]),
+        ]
+    ).float()
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("d", [16, 64, 80, 128, 256])
 def test_cell_table_matches_bucketize(bits, d):
@@ -291,17 +307,7 @@ def test_cell_table_matches_bucketize(bits, d):
 
     cb, bnd = tq_codebook(bits, d)
     tab, ncell, halfc, cs = _cell_table(cb, bnd)
-    gen = torch.Generator().manual_seed(bits * 1000 + d)
-    y = torch.cat(
-        [
-            torch.randn(200_000, generator=gen) / d**0.5,
-            torch.rand(20_000, generator=gen) * 2.02 - 1.01,
-            bnd,
-            torch.nextafter(bnd, torch.tensor(-1.0)),
-            torch.nextafter(bnd, torch.tensor(1.0)),
-            torch.tensor([0.0, -0.0, 1.0, -1.0, 1.01, -1.01]),
-        ]
-    ).float()
+    y = _lookup_probes(bnd, d, bits * 1000 + d)
     want = torch.bucketize(y, bnd)
     for wobble in (1.0, 1.0 + 2.0**-21, 1.0 - 2.0**-21):
         yc = (y * (cs * wobble)).double()
@@ -331,17 +337,7 @@ def test_cell_lanes_match_bucketize(bits, d):
     assert span < 32
     t0 = 2 * ncell + 2 * cb.numel()
     lane_p, lane_b, lane_t = tab[t0 : t0 + 32], tab[t0 + 32 : t0 + 64], tab[t0 + 64 : t0 + 96]
-    gen = torch.Generator().manual_seed(bits * 100 + d)
-    y = torch.cat(
-        [
-            torch.randn(200_000, generator=gen) / d**0.5,
-            torch.rand(20_000, generator=gen) * 2.02 - 1.01,
-            bnd,
-            torch.nextafter(bnd, torch.tensor(-1.0)),
-            torch.nextafter(bnd, torch.tensor(1.0)),
-            torch.tensor([0.0, -0.0, 1.0, -1.0, 1.01, -1.01]),
-        ]
-    ).float()
+    y = _lookup_probes(bnd, d, bits * 100 + d)
     want = torch.bucketize(y, bnd)
     for wobble in (1.0, 1.0 + 2.0**-21, 1.0 - 2.0**-21):
         cell = ((y * (cs * wobble)).double().round().long() + halfc - lo).clamp(0, span)
