@@ -239,7 +239,9 @@ BYTE_VALUES_VERIFY = 1
 # 0.4859; tq3 verify 32 x 5 x 32K 0.8246 / 0.8433; tq_k4v2_ub verify 0.7532 / 0.7372 (so off there).
 VALUE_ROWS = 1  # decode
 VALUE_ROWS_VERIFY = 0  # verify, layouts without exact copies
-VALUE_ROWS_VERIFY_EXACT = 1  # verify, layouts with exact copies
+# verify, layouts with exact copies: off since the thirty-third session (H200, tq3 32 x 5 x 32K, three calls over
+# two sessions: 0.6874 -> 0.6807, 0.6834 -> 0.6795, 0.6861 -> 0.6801 ms; tq4 1.220 / 1.221)
+VALUE_ROWS_VERIFY_EXACT = 0
 # L2 prefetch of each packed program's first pages before anything waits (`_prefetch_first_pages`):
 # PREFETCH x stages x 32 keys' worth of pages (0: off; steps that rotate their query by the tuned rule
 # take 1). Alone it only adds requests (H100, twenty-first session: 4bit_nc 1 x 128K 0.0809 -> 0.0834
@@ -259,8 +261,14 @@ CB_VALUES_MAXNREG = 168
 # d = 128 decode with 4-bit min-max values (no exact copies): the word loads of the scalars take 14
 # registers more (142), which would cost 4 of 16 programs per SM; capped, 4bit_nc 32 x 32K 0.562 ->
 # 0.527 ms in an A/B build (no spills; 0.478 with the zeros loaded where the softmax uses them, as the
-# kernel does). 3-bit values (168 registers) spill at 128 and stay uncapped.
+# kernel does). 3-bit values spill at 128 (see MM3_MAXNREG).
 MM4_MAXNREG = 128
+# d = 128 decode with 3-bit min-max values (turboquant_3bit_nc): uncapped the kernel takes 241 registers, 8
+# one-warp programs per SM; at 168 it keeps 12 for 7 spill instructions (H200, thirty-third session, CUDA-graph
+# replays, medians of 3 rounds, two calls: 32 x 32K 0.8247 -> 0.7702 and 0.8212 -> 0.7751 ms, 1 x 128K 0.1206
+# -> 0.1121 and 0.1209 -> 0.1127; 144 / 152 / 176 registers 0.8467 / 0.8221 / 0.8516. Its verify steps keep no
+# cap: 0.9928 -> 1.12 at 168)
+MM3_MAXNREG = 168
 # 3-bit keys with 4-bit min-max values (turboquant_k3v4_nc): 2 stages (H100, fourteenth session, 3 -> 2:
 # 32 x 32K 0.527 -> 0.505 ms, 1 x 128K 0.0835 -> 0.0808; 4bit_nc alike within 1%, kept at 3)
 K3V4_STAGES = 2
@@ -393,7 +401,7 @@ def _launch_config(
         return NUM_WARPS, WIDE_D_BLOCK_N, WIDE_D_STAGES, MAXNREG
     if codebook_values:
         return NUM_WARPS, CB_VALUES_BLOCK_N, CB_VALUES_STAGES, MAXNREG or CB_VALUES_MAXNREG
-    cap = MAXNREG or (MM4_MAXNREG if val_bits == 4 and PAIR_SCALARS else 0)
+    cap = MAXNREG or (MM4_MAXNREG if val_bits == 4 and PAIR_SCALARS else MM3_MAXNREG if val_bits == 3 else 0)
     return NUM_WARPS, BLOCK_N, K3V4_STAGES if (key_bits, val_bits) == (3, 4) else NUM_STAGES, cap
 
 
