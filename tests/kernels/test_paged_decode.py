@@ -769,30 +769,25 @@ def test_narrow_3bit_gpu_real_sizes(preset, hq, hkv, d, narrow_spy):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("lookup", "pair_tables", "join"),
-    [("shfl", 1, 1), ("prmt", 1, 1), ("shfl", 2, 1), ("shfl", 1, 0), ("shfl", 1, 2), ("shfl", 1, 3)],
+    ("lookup", "pair_tables", "join"), [("shfl", 1, 1), ("prmt", 1, 1), ("shfl", 2, 1), ("shfl", 1, 0), ("shfl", 1, 2)]
 )
 @pytest.mark.parametrize(
-    "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3, "tq4"]
+    "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3]
 )
 @pytest.mark.parametrize(("qlen", "narrow_on"), [(1, True), (1, False), (5, True), (5, False)])
 def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, narrow_on, monkeypatch):
     """The inline-PTX slice decoders (shuffle or PRMT codebook lookups, pair tables of 2-bit codes,
-    magic-number min-max values; shuffled pairs joined by a permute, an add or an fma: `join` 0 / 1 / 2 is
-    JOIN_ADD, 3 the default JOIN_ADD with JOIN_FMA elsewhere) must produce the fp16 operands bit for bit:
-    outputs identical to the gather path on the same pages, for decode (both kernels) and for verify rows
-    (tq3's through the narrow kernel too)."""
-    if preset in [*NARROW3, "tq4"] and not narrow_on:
-        pytest.skip("3- and 5-bit codes have no decoders outside the narrow kernel")
-    if preset == "tq4" and join != 3:
-        pytest.skip("5-bit keys here for the fma join only (test_narrow_5bit_* cover the rest)")
+    magic-number min-max values; shuffled pairs joined by a permute or an add, `join` = JOIN_ADD) must produce
+    the fp16 operands bit for bit: outputs identical to the gather path on the same pages, for decode (both
+    kernels) and for verify rows (tq3's through the narrow kernel too)."""
+    if preset in NARROW3 and not narrow_on:
+        pytest.skip("3-bit codes have no decoders outside the narrow kernel")
     if pair_tables == 2 and preset not in ("tq3", "tq_k2v4_nc", "tq_k4v2_nc", "tq_k3v2_ub"):
         pytest.skip("PAIR_TABLES = 2 changes only 2-bit codebook decoders")
     by_default = preset in ("tq_k4v4_nc", "tq_k4v4_ub") and qlen == 1  # `join_add` at JOIN_ADD = 1
-    if join != 1 and (lookup != "shfl" or preset in NARROW3 and join != 3 or (join == 0) != by_default):
-        pytest.skip("JOIN_ADD = 0 / 2 and JOIN_FMA change the 2- / 4-bit shuffle decoders of some steps only")
-    monkeypatch.setattr(paged_decode, "JOIN_ADD", 1 if join == 3 else join)
-    monkeypatch.setattr(paged_decode, "JOIN_FMA", int(join == 3))
+    if join != 1 and (lookup != "shfl" or preset in NARROW3 or (join == 0) != by_default):
+        pytest.skip("JOIN_ADD = 0 / 2 change the 2- / 4-bit shuffle decoders of steps that join / do not by default")
+    monkeypatch.setattr(paged_decode, "JOIN_ADD", join)
     monkeypatch.setattr(narrow, "ENABLED", narrow_on)
     monkeypatch.setattr(paged_decode, "PAIR_TABLES", pair_tables)
     monkeypatch.setattr(paged_decode, "PRMT2_DECODE", 0)  # PAIR_TABLES alone picks the 2-bit decoders
@@ -833,11 +828,6 @@ def test_join_add_rule(monkeypatch):
     assert all(paged_decode.join_add(lay, q) for lay in lays.values() for q in (1, 5))
     monkeypatch.setattr(paged_decode, "JOIN_ADD", 0)
     assert not any(paged_decode.join_add(lay, q) for lay in lays.values() for q in (1, 5))
-    assert {paged_decode.join_mode(lay, q) for lay in lays.values() for q in (1, 5)} == {0}
-    monkeypatch.setattr(paged_decode, "JOIN_ADD", 1)
-    monkeypatch.setattr(paged_decode, "JOIN_FMA", 1)
-    modes = {(p, q): paged_decode.join_mode(lay, q) for p, lay in lays.items() for q in (1, 5)}
-    assert modes == {key: 1 if key in want else 2 for key in modes}
 
 
 def test_prefetch_pages_rule(monkeypatch):

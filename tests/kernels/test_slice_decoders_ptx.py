@@ -56,18 +56,6 @@ def run_ptx(block: str, inputs: dict[str, list[int]], outputs: list[str]) -> dic
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
-        if op == "mov.b32" and "{" in rest:  # a register's 16-bit halves unpacked, or two halves packed
-            if rest.startswith("{"):
-                lo, hi = (x.strip() for x in rest[1 : rest.index("}")].split(","))
-                src = rest[rest.index("}") + 1 :].strip(" ,")
-                for lane in range(32):
-                    regs[lane][lo], regs[lane][hi] = _halves(regs[lane][src])
-            else:
-                dst, inner = (x.strip() for x in rest.split(",", 1))
-                lo, hi = (x.strip() for x in inner.strip("{} ").split(","))
-                for lane in range(32):
-                    regs[lane][dst] = regs[lane][lo] | regs[lane][hi] << 16
-            continue
         args = [x.strip() for x in rest.split(",")]
         if op.startswith("shfl.sync.idx"):
             src = [regs[lane][args[1]] for lane in range(32)]
@@ -94,10 +82,6 @@ def run_ptx(block: str, inputs: dict[str, list[int]], outputs: list[str]) -> dic
                 r = v[0] * v[1]
             elif op.startswith("mad.lo"):
                 r = v[0] * v[1] + v[2]
-            elif op.startswith("fma.rn.f16x2"):  # one rounding: the float64 a * b + c of fp16 values is exact
-                h = [np.array(_halves(x), dtype=np.uint16).view(np.float16).astype(np.float64) for x in v]
-                f = (h[0] * h[1] + h[2]).astype(np.float16).view(np.uint16)
-                r = int(f[0]) | int(f[1]) << 16
             elif op.startswith("add.rn.f16x2"):
                 h = [np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16) for x in v]
                 r = int((h[0] + h[1]).view(np.uint16).astype(np.uint32) @ np.array([1, 1 << 16], dtype=np.uint32))
@@ -122,18 +106,17 @@ def _cb_bits(bits: int, d: int = 128) -> list[int]:
     return [int(v) & 0xFFFF for v in c.view(torch.int16).numpy()]
 
 
-@pytest.mark.parametrize("pairs", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("pairs", [0, 1, 2, 3])
 def test_two_bit_pair_decoders(pairs):
     """`shfl_pair_slices` (one shuffle per two codes), `shfl_slices` at 2 bits (pairs joined by a permute,
-    an f16x2 add: 3, or an f16x2 fma: 4) and `prmt_pair_slices` (no shuffle): all 256 x 256 (word 0,
-    word 1) byte-word pairs, every slice."""
+    or by an f16x2 add: 3) and `prmt_pair_slices` (no shuffle): all 256 x 256 (word 0, word 1) byte-word
+    pairs, every slice."""
     host = tq_codebook(2, 128)[0].half()
     table = _cb_bits(2)
     make = {
         0: lambda h: paged_decode.shfl_slices(h, 2),
         1: paged_decode.shfl_pair_slices,
-        3: lambda h: paged_decode.shfl_slices(h, 2, 1),
-        4: lambda h: paged_decode.shfl_slices(h, 2, 2),
+        3: lambda h: paged_decode.shfl_slices(h, 2, True),
     }
     blocks = make.get(pairs, paged_decode.prmt_pair_slices)(host)
     rng = np.random.default_rng(0)
@@ -165,10 +148,10 @@ def test_two_bit_decoders_byte_words(pairs):
                 assert _halves(got["$1"][lane]) == (table[codes[2]], table[codes[3]])
 
 
-@pytest.mark.parametrize("lookup", ["shfl", "prmt", "shfl_add", "shfl_fma"])
+@pytest.mark.parametrize("lookup", ["shfl", "prmt", "shfl_add"])
 def test_four_bit_decoders(lookup):
-    """`shfl_slices` (pairs joined by a permute, an f16x2 add or an f16x2 fma) and `prmt_slices` (symmetric
-    codebook) at 4 bits: random word pairs, every slice."""
+    """`shfl_slices` (pairs joined by a permute or an f16x2 add) and `prmt_slices` (symmetric codebook) at 4
+    bits: random word pairs, every slice."""
     host = tq_codebook(4, 128)[0].half()
     table = _cb_bits(4)
     rng = np.random.default_rng(2)
@@ -177,7 +160,7 @@ def test_four_bit_decoders(lookup):
         assert tables is not None, "the 4-bit codebook is symmetric"
         blocks = paged_decode.prmt_slices(tables)
     else:
-        blocks = paged_decode.shfl_slices(host, 4, {"shfl": 0, "shfl_add": 1, "shfl_fma": 2}[lookup])
+        blocks = paged_decode.shfl_slices(host, 4, lookup == "shfl_add")
     if any("setp" in b for b in blocks):  # the 4-bit table takes a predicate: emulate selp here
         blocks = [_inline_selp(b) for b in blocks]
     for j, block in enumerate(blocks):
@@ -218,13 +201,12 @@ def test_minmax_decoders(bits):
                     assert half == int(want), (bits, j, w)
 
 
-@pytest.mark.parametrize("join", [0, 2])
-def test_three_bit_decoders(join):
-    """`shfl_slices3` (codebook; pairs joined by a permute or an f16x2 fma) and `minmax_slices3` (u = 8 +
-    code): two int32 words per call whose low 3 bits are the codes and whose higher bits are the next codes
-    (the kernel shifts slice j's code down): every code pair, with random high bits."""
+def test_three_bit_decoders():
+    """`shfl_slices3` (codebook) and `minmax_slices3` (u = 8 + code): two int32 words per call whose
+    low 3 bits are the codes and whose higher bits are the next codes (the kernel shifts slice j's
+    code down): every code pair, with random high bits."""
     table = _cb_bits(3)
-    shfl = paged_decode.shfl_slices3(tq_codebook(3, 128)[0].half(), join)
+    shfl = paged_decode.shfl_slices3(tq_codebook(3, 128)[0].half())
     mm = paged_decode.minmax_slices3()
     assert len(set(shfl)) == 1 and len(set(mm)) == 1  # one string serves every slice
     rng = np.random.default_rng(3)

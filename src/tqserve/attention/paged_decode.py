@@ -72,13 +72,11 @@ LOOKUP = "shfl"
 # 11.8%): slower at every step, 4bit_nc 32 x 32K 0.4133 -> 0.4264 / 0.4418 / 0.4616 with the keys' high
 # words / all key shifts / the min-max values' too, tq_k4v4_nc 0.5365 -> 0.5642 / 0.5849 / 0.5881.)
 JOIN_ADD = 1
-# Steps that do not join by an add join by an f16x2 fma instead of the PRMT (0: the PRMT; not timed yet): the
-# one lane table holds (c, 0), and (c[b], c[b]) * (0, 1) + (c[a], 0) = (c[a], c[b]) exactly, one HFMA2 whose
-# first operand ptxas takes as the register's low half twice (`.H0_H0`): no permute and no second table
-# register; the 3- and 5-bit shuffle decoders take it too. Offline sm_90, instructions per tile: 4bit_nc
-# verify 1,027 either way (64 PRMT -> HFMA2, no spills); 3bit_nc decode 1,371 -> 1,372, tq4 decode 1,204 ->
-# 1,206 (no spills); 4bit_nc decode at 128 registers 775 -> 785 with 7 spill loads in the loop.
-JOIN_FMA = 0
+# (Not kept: the pairs joined by an exact f16x2 fma, (c[b], c[b]) * (0, 1) + (c[a], 0) from one lane table of
+# (c, 0), one HFMA2 with a `.H0_H0` operand instead of the PRMT, in the 3-, 4- and 5-bit shuffle decoders. H200,
+# thirty-third session, CUDA-graph replays, medians of 3 rounds, ms, PRMT / fma: 4bit_nc 32 x 32K 0.4127 /
+# 0.4223 (spills at 128 registers), 32 x 5 x 32K 0.6172 / 0.6165, 1 x 128K 0.0682 / 0.0699; tq3 0.4335 / 0.4337,
+# 0.6829 / 0.6849; 3bit_nc 0.8247 / 0.8215, 0.9928 / 0.9872; tq4 1.017 / 1.013, 1.222 / 1.220.)
 # (Mixed, one or two of a 4-bit codebook side's four slices by byte permutes and the rest by shuffles, to
 # move lookups off the shuffle pipe: slower everywhere. H200, thirty-first session, ms, shuffles / 1 / 2
 # slices by permutes: 4bit_nc 32 x 32K 0.414 / 0.471 / 0.512, 32 x 5 x 32K 0.622 / 0.635 / 0.672, 1 x 128K
@@ -292,28 +290,16 @@ def join_add(layout, max_query_len: int) -> bool:
     return JOIN_ADD == 2 or bool(JOIN_ADD) and max_query_len <= 1 and four_bit
 
 
-def join_mode(layout, max_query_len: int) -> int:
-    """`shfl_slices`' join of a step: 1 an add (`join_add`), 2 an fma (`JOIN_FMA`), 0 a permute."""
-    return 1 if join_add(layout, max_query_len) else 2 if JOIN_FMA else 0
-
-
-def _join_ptx(join: int) -> tuple[str, str, str]:
-    """(declarations, setup after the lane table `tb`, the pair's join into $0) of the shuffle decoders:
-    join 0 a permute (ra.lo, rb.lo); 1 the exact f16x2 add of (c[a], 0) and (0, c[b]), rb shuffled from a
-    second table `th` (`JOIN_ADD`); 2 the exact f16x2 fma (c[b], c[b]) * (0, 1) + (c[a], 0), which ptxas
-    issues as one HFMA2 with a `.H0_H0` operand (`JOIN_FMA`)."""
-    if join == 1:
+def _join_ptx(join: bool) -> tuple[str, str, str]:
+    """(declarations, setup after the lane table `tb`, the pair's join into $0) of `shfl_slices`: a permute
+    (ra.lo, rb.lo), or with `join` the exact f16x2 add of (c[a], 0) and (0, c[b]), rb shuffled from a second
+    table `th` (`JOIN_ADD`)."""
+    if join:
         return ".reg .b32 th;\n", "and.b32 tb, tb, 0xffff;\nshl.b32 th, tb, 16;\n", "add.rn.f16x2 $0, ra, rb;\n"
-    if join == 2:
-        return (
-            ".reg .b16 h, hh;\n.reg .b32 rr, one;\n",
-            "and.b32 tb, tb, 0xffff;\nmov.b32 one, 0x3c000000;\n",
-            "mov.b32 {h, hh}, rb;\nmov.b32 rr, {h, h};\nfma.rn.f16x2 $0, rr, one, ra;\n",
-        )
     return "", "", "prmt.b32 $0, ra, rb, 0x5410;\n"
 
 
-def shfl_slices(codebook16, bits: int, join: int = 0) -> tuple[str, str, str, str]:
+def shfl_slices(codebook16, bits: int, join: bool = False) -> tuple[str, str, str, str]:
     """PTX of slice j = 0..3 (same contract as `prmt_slices`, 2- or 4-bit codes in 16-bit words) by
     warp-shuffle lookups: lane l holds the fp16 centroid c[l mod 2^b] in a register, and
     `shfl.sync.idx` with the code as source lane returns c[code] - one shuffle per value, no selector
@@ -349,7 +335,7 @@ def shfl_slices(codebook16, bits: int, join: int = 0) -> tuple[str, str, str, st
         body = common + (f"shr.u32 xa, $1, {bits * j};\n" if j else "mov.b32 xa, $1;\n")
         body += f"shr.u32 xb, $1, {16 + bits * j};\n"
         body += "shfl.sync.idx.b32 ra, tb, xa, 0x1f, 0xffffffff;\n"
-        body += f"shfl.sync.idx.b32 rb, {'th' if join == 1 else 'tb'}, xb, 0x1f, 0xffffffff;\n"
+        body += f"shfl.sync.idx.b32 rb, {'th' if join else 'tb'}, xb, 0x1f, 0xffffffff;\n"
         body += tail
         out.append("{\n" + body + "}")
     return tuple(out)
@@ -472,42 +458,40 @@ def shfl_pair_slices_b8(codebook16) -> tuple[str, str, str, str]:
     return tuple(out)
 
 
-def shfl_slices3(codebook16, join: int = 0) -> tuple[str, str, str, str]:
+def shfl_slices3(codebook16) -> tuple[str, str, str, str]:
     """PTX for 3-bit codebook codes: two int32 words ($1, $2) whose low 3 bits are the codes (the
     kernel shifts slice j's code down first) -> fp16x2 (c[code of $1], c[code of $2]), one shuffle per
     code from a table with lane l holding c[l & 7] (period 8, so bits 4:3 of the source lane are
-    free). The same string serves every slice (all four entries are it). `join`: `_join_ptx`'s 0 or 2."""
+    free). The same string serves every slice (all four entries are it)."""
     import torch
 
-    assert codebook16.device.type == "cpu" and codebook16.numel() == 8 and join in (0, 2)
-    decl, setup, tail = _join_ptx(join)
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 8
     raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
     lo = _byte_words([v & 0xFF for v in raw])
     hi = _byte_words([v >> 8 for v in raw])
-    body = decl + ".reg .b32 l, m, a, c, tb, ra, rb, L0, L1, H0, H1;\n"
+    body = ".reg .b32 l, m, a, c, tb, ra, rb, L0, L1, H0, H1;\n"
     body += f"mov.b32 L0, {lo[0]:#x};\nmov.b32 L1, {lo[1]:#x};\nmov.b32 H0, {hi[0]:#x};\nmov.b32 H1, {hi[1]:#x};\n"
     body += "mov.u32 l, %laneid;\nand.b32 m, l, 7;\nprmt.b32 a, L0, L1, m;\nprmt.b32 c, H0, H1, m;\n"
-    body += "prmt.b32 tb, a, c, 0x0040;\n" + setup  # fp16 c[l & 7] in the low half
+    body += "prmt.b32 tb, a, c, 0x0040;\n"  # fp16 c[l & 7] in the low half
     body += "shfl.sync.idx.b32 ra, tb, $1, 0x1f, 0xffffffff;\nshfl.sync.idx.b32 rb, tb, $2, 0x1f, 0xffffffff;\n"
-    body += tail  # (ra.lo, rb.lo)
+    body += "prmt.b32 $0, ra, rb, 0x5410;\n"  # (ra.lo, rb.lo)
     asm = "{\n" + body + "}"
     return (asm, asm, asm, asm)
 
 
-def shfl_slices5(codebook16, join: int = 0) -> tuple[str, str, str, str]:
+def shfl_slices5(codebook16) -> tuple[str, str, str, str]:
     """PTX for 5-bit codebook codes, `shfl_slices3`'s calling convention (two int32 words whose low 5 bits
     are the codes) -> fp16x2, one shuffle per code from a table with lane l holding c[l]: 32 entries, one
     per lane, so the shuffle's source lane is the code itself. The table depends on the lane only (byte
-    permutes of immediates, two selects): ptxas hoists it out of the key loop. `join`: `_join_ptx`'s 0 or 2."""
+    permutes of immediates, two selects): ptxas hoists it out of the key loop."""
     import torch
 
-    assert codebook16.device.type == "cpu" and codebook16.numel() == 32 and join in (0, 2)
-    decl, setup, tail = _join_ptx(join)
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 32
     raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
     lo = _byte_words([v & 0xFF for v in raw])  # 8 words: entries 4w .. 4w + 3
     hi = _byte_words([v >> 8 for v in raw])
     regs = ", ".join([f"L{i}" for i in range(8)] + [f"H{i}" for i in range(8)])
-    body = decl + f".reg .pred p, q;\n.reg .b32 l, m, a0, a1, a2, a3, b0, b1, b2, b3, x, y, tb, ra, rb, {regs};\n"
+    body = f".reg .pred p, q;\n.reg .b32 l, m, a0, a1, a2, a3, b0, b1, b2, b3, x, y, tb, ra, rb, {regs};\n"
     body += "".join(f"mov.b32 L{i}, {w:#x};\n" for i, w in enumerate(lo))
     body += "".join(f"mov.b32 H{i}, {w:#x};\n" for i, w in enumerate(hi))
     # lane bits 2:0 pick a byte of the word pair (L2k, L2k+1); bits 4:3 pick the pair k
@@ -518,9 +502,9 @@ def shfl_slices5(codebook16, join: int = 0) -> tuple[str, str, str, str]:
     body += "and.b32 m, l, 8;\nsetp.ne.u32 p, m, 0;\nand.b32 m, l, 16;\nsetp.ne.u32 q, m, 0;\n"
     body += "selp.b32 a0, a1, a0, p;\nselp.b32 a2, a3, a2, p;\nselp.b32 x, a2, a0, q;\n"
     body += "selp.b32 b0, b1, b0, p;\nselp.b32 b2, b3, b2, p;\nselp.b32 y, b2, b0, q;\n"
-    body += "prmt.b32 tb, x, y, 0x0040;\n" + setup  # fp16 c[l] in the low half
+    body += "prmt.b32 tb, x, y, 0x0040;\n"  # fp16 c[l] in the low half
     body += "shfl.sync.idx.b32 ra, tb, $1, 0x1f, 0xffffffff;\nshfl.sync.idx.b32 rb, tb, $2, 0x1f, 0xffffffff;\n"
-    body += tail  # (ra.lo, rb.lo)
+    body += "prmt.b32 $0, ra, rb, 0x5410;\n"  # (ra.lo, rb.lo)
     asm = "{\n" + body + "}"
     return (asm, asm, asm, asm)
 
@@ -1081,9 +1065,9 @@ def pair_tables(narrow: bool, max_query_len: int) -> int:
     return 2 if PRMT2_DECODE and narrow and max_query_len == 1 else PAIR_TABLES
 
 
-def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: int = 0) -> tuple[str, str, str, str]:
+def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: bool = False) -> tuple[str, str, str, str]:
     """Inline-PTX slice decoders for a side on the GPU (`LOOKUP`), else empty strings (gathers);
-    `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None); `join`: `join_mode`."""
+    `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None); `join`: `join_add`."""
     pairs = PAIR_TABLES if pairs is None else pairs
     none = ("", "", "", "")
     if _interpreting() or LOOKUP == "gather" or not layout.key_cb16.is_cuda:
@@ -1101,9 +1085,9 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: int =
 
         host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
         if bits == 3:
-            cache[key] = shfl_slices3(host, 2 if join == 2 else 0)
+            cache[key] = shfl_slices3(host)
         elif bits == 5:
-            cache[key] = shfl_slices5(host, 2 if join == 2 else 0)
+            cache[key] = shfl_slices5(host)
         elif bits == 2 and pairs == 2:
             cache[key] = prmt_pair_slices(host)
         elif LOOKUP == "shfl" and bits == 2 and pairs:
@@ -1238,7 +1222,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     vcb = vcb if vcb is not None else kcb
     # float32 models gather float32 centroids (the asm decoders make fp16 operands)
     pairs = pair_tables(use_narrow, meta.max_query_len)
-    join = join_mode(layout, meta.max_query_len)
+    join = join_add(layout, meta.max_query_len)
     kasm = ("", "", "", "") if model_f32 else _asm_for(layout, "k", layout.key_bits, pairs, join)
     vasm = ("", "", "", "") if model_f32 else _asm_for(layout, "v", layout.val_bits, pairs, join)
     byte_vals = (
