@@ -62,6 +62,22 @@ def _assert_tq_pages_identical(plan: StorePlan, want: dict, got: dict, what: str
             assert not rows.any(), f"{what} {name}: {int(rows.sum())} of {rows.numel()} rows differ from the reference"
 
 
+def _assert_minmax_pages_identical(plan: StorePlan, want: dict, got: dict, what: str) -> None:
+    """Min-max sides write the reference's packed indices bit for bit, and its fp16 scales and zeros (as
+    values: the zero of a row of signed zeros is the minimum of +0 and -0, either sign by reduction order,
+    and decodes the same)."""
+    for mode, _bits, pay, sc, zr, _tab in plan.sides:
+        if mode != MINMAX:
+            continue
+        a, b = want[pay], got[pay]
+        rows = (a != b).reshape(*a.shape[:3], -1).any(-1)
+        assert not rows.any(), f"{what} {pay}: {int(rows.sum())} of {rows.numel()} rows differ from the reference"
+        for name in (sc, zr):
+            a, b = want[name].float(), got[name].float()
+            rows = ~((a == b) | (a.isnan() & b.isnan()))
+            assert not rows.any(), f"{what} {name}: {int(rows.sum())} of {rows.numel()} rows differ from the reference"
+
+
 def _compare(preset: str, hkv: int, d: int, t: int, seed: int, wmax: int | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     bs, nb = 16, (t + 15) // 16 + 3
@@ -173,6 +189,7 @@ def _bit_identical_case(preset: str, d: int, dtype: torch.dtype, t: int, seed: i
     assert (plan.tiles is not None) == (wmax is None or wmax >= 16) and not plan.search
     store_kv(got, plan, k, v, slots)
     _assert_tq_pages_identical(plan, want, got, f"{preset} d {d} {dtype}")
+    _assert_minmax_pages_identical(plan, want, got, f"{preset} d {d} {dtype}")
 
 
 @pytest.mark.parametrize(
@@ -187,6 +204,29 @@ def _bit_identical_case(preset: str, d: int, dtype: torch.dtype, t: int, seed: i
 )
 def test_store_tq_bit_identical(preset, d, dtype):
     _bit_identical_case(preset, d, dtype, 40, seed=d)
+
+
+@pytest.mark.parametrize("sat", [0, 1])
+@pytest.mark.parametrize(
+    "preset,dtype", [("turboquant_4bit_nc", torch.bfloat16), ("turboquant_3bit_nc", torch.float16)]
+)
+def test_store_minmax_bit_identical(preset, dtype, sat, monkeypatch):
+    """Min-max values on the stress rows (norms 2^-90 .. 2^40: scales and zeros clamped to the fp16 range, codes
+    clamped at both ends; zero, constant and integer rows): the reference's bytes with the saturating index
+    (`SAT_INDEX`, on the GPU) and with the clamps."""
+    monkeypatch.setattr(store_triton, "SAT_INDEX", sat)
+    _bit_identical_case(preset, 64, dtype, 40, seed=19)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sat", [0, 1])
+@pytest.mark.parametrize(
+    "preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_minmax_bit_identical_gpu(preset, dtype, sat, monkeypatch):
+    monkeypatch.setattr(store_triton, "SAT_INDEX", sat)
+    _bit_identical_case(preset, 128, dtype, 20000, seed=23)
 
 
 @pytest.mark.parametrize("preset,d", [("turboquant_4bit_nc", 72), ("tq_k4v3_ub_s4_w128", 64)])

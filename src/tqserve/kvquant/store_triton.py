@@ -97,12 +97,28 @@ SIGN_XOR = 1
 # side: 4bit_nc 0.0472 / 0.0476 (both rounds), 3bit_nc 0.0510 / 0.0519, k3v4_nc 0.0516 / 0.0528 (the
 # store is not bound by issued instructions there).
 CELL_LANES = 1
+# Min-max codes by a saturating add (`_sat_index`): per element a multiply, an add.sat and an fma rounded toward
+# zero, then one integer min, where `_floor_index` takes two float clamps (ALU instructions, the store's busier
+# pipe), the add and the floor. Scaled by 2^-b, the add's saturation to [0, 1] is the clamp at 0, and
+# floor(2^b v) <= 2^b only needs the min at the top. Exact: a power of two commutes with each rounding.
+SAT_INDEX = 1
+# The lookups' compare y > p as the sign bit of p - y (an FMA-pipe subtraction and a shift) instead of a
+# compare and a select (two ALU instructions): IEEE subtraction without flush to zero is negative exactly
+# where y > p; p is never -0 (`_cell_table` stores +0, which compares the same), +inf where a cell holds
+# no boundary (+inf - y > 0). 0: the compare
+CMP_SIGN = 1
+_CMP_PTX = (
+    "sub.rn.f32 d, pb, $2;\nmov.b32 m, d;\nshr.u32 m, m, 31;\nadd.s32 $0, bs, m;\n"
+    if CMP_SIGN
+    else "set.gt.u32.f32 m, $2, pb;\nsub.s32 $0, bs, m;\n"
+)
 # `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
 # Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
 # of 1.5 * 2^23 less HALFC, $6 NCELL - 1, $7 the cell table, $8 the centroid column (a load) or the
 # lane's table entry (a shuffle, `LANE_LUT`)
-_CELL_PTX = """
-.reg .f32 t, pb;
+_CELL_PTX = (
+    """
+.reg .f32 t, pb, d;
 .reg .b32 c, m, bs;
 .reg .b64 ad;
 fma.rn.f32 t, $3, $4, 0f4B400000;
@@ -111,16 +127,17 @@ sub.s32 c, c, $5;
 min.u32 c, c, $6;
 mad.wide.u32 ad, c, 8, $7;
 ld.global.nc.v2.b32 {pb, bs}, [ad];
-set.gt.u32.f32 m, $2, pb;
-sub.s32 $0, bs, m;
 """
+    + _CMP_PTX
+)
 _LOOKUP_LOAD = tl.constexpr("{" + _CELL_PTX + "mad.wide.s32 ad, $0, 4, $8;\nld.global.nc.b32 $1, [ad];\n}")
 _LOOKUP_SHFL = tl.constexpr("{" + _CELL_PTX + "shfl.sync.idx.b32 $1, $8, $0, 0x1f, 0xffffffff;\n}")
 # `_tq_lookup_lanes`' PTX: $0 index, $1 the index's ||c||^2 term (int32); $2 y, $3 a, $4 b, $5 the bits of
 # 1.5 * 2^23 less HALFC plus the first lane's cell, $6 the last lane in use; $7 / $8 / $9 this lane's
 # entries of the boundary, base and term tables
-_CELL_LANES_PTX = tl.constexpr("""{
-.reg .f32 t, pb;
+_CELL_LANES_PTX = tl.constexpr(
+    """{
+.reg .f32 t, pb, d;
 .reg .b32 c, m, bs;
 fma.rn.f32 t, $3, $4, 0f4B400000;
 mov.b32 c, t;
@@ -129,10 +146,11 @@ min.s32 c, c, $6;
 max.s32 c, c, 0;
 shfl.sync.idx.b32 pb, $7, c, 0x1f, 0xffffffff;
 shfl.sync.idx.b32 bs, $8, c, 0x1f, 0xffffffff;
-set.gt.u32.f32 m, $2, pb;
-sub.s32 $0, bs, m;
-shfl.sync.idx.b32 $1, $9, $0, 0x1f, 0xffffffff;
-}""")
+"""
+    + _CMP_PTX
+    + """shfl.sync.idx.b32 $1, $9, $0, 0x1f, 0xffffffff;
+}"""
+)
 # this lane's entry of a 32-entry int32 table at $1
 _LANE_LOAD_PTX = tl.constexpr("""{
 .reg .u32 l;
@@ -195,6 +213,25 @@ def _floor_index(u, LEVELS: tl.constexpr):
         return t.to(tl.int32, bitcast=True) - 0x4B000000
     else:
         return tl.floor(u).to(tl.int32)
+
+
+_SAT_PTX = tl.constexpr("""{
+.reg .f32 m, v;
+mul.rn.f32 m, $1, $2;
+add.rn.sat.f32 v, m, $3;
+fma.rz.f32 $0, v, $4, 0f4B000000;
+}""")
+
+
+@triton.jit
+def _sat_index(x, invs, offs, BITS: tl.constexpr):
+    """min(floor(2^b * sat(x * invs + offs)), 2^b - 1) (float32, each step rounded once; invs, offs:
+    [rows, 1] columns of inv and off times 2^-b), an int32 tensor: `_floor_index`'s index of u = x * inv + off."""
+    z = tl.zeros_like(x)
+    t = tl.inline_asm_elementwise(
+        _SAT_PTX, "=r,r,r,r,r", [x, z + invs, z + offs, z + (1 << BITS) * 1.0], dtype=tl.float32, is_pure=True, pack=1
+    )
+    return tl.minimum(t.to(tl.int32, bitcast=True) - 0x4B000000, (1 << BITS) - 1)
 
 
 @triton.jit
@@ -812,6 +849,7 @@ def _store_side(
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
+    SAT: tl.constexpr,
 ):  # fmt: skip
     t = t0 + tl.arange(0, BT)
     xrow = t.to(tl.int64) * stride_xt + h * D
@@ -852,7 +890,11 @@ def _store_side(
             sc = _fp16_round(tl.maximum((hi - zero) * (1.0 / LEVELS), 5.960464477539063e-08))
             inv = _rcp_rn(sc)
             off = 0.5 - _mul_rn(zero, inv)
-            idx = _floor_index(_mul_rn(x, inv[:, None]) + off[:, None], LEVELS)
+            if SAT and _ASM:  # `SAT_INDEX`
+                sb = 1.0 / (LEVELS + 1)
+                idx = _sat_index(x, (inv * sb)[:, None], (off * sb)[:, None], BITS)
+            else:
+                idx = _floor_index(_mul_rn(x, inv[:, None]) + off[:, None], LEVELS)
             _pack_tile(pay_ptr, tokp, tok_ok, idx, 0, BITS, D, BT, DP, GS)
             tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
             tl.store(zr_ptr + tokp, zero.to(tl.float16), mask=tok_ok)
@@ -911,6 +953,7 @@ def _store_kv_kernel(
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
+    SAT: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
@@ -923,11 +966,11 @@ def _store_kv_kernel(
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                 had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                 SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                B0, B1, B2, B3, SIGNS)  # fmt: skip
+                B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
     _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                 had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                 SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                B0, B1, B2, B3, SIGNS)  # fmt: skip
+                B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
 
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
@@ -956,7 +999,7 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     ncell = 2 * halfc + 1
     cell_of = (b64 * cs).round().long() + halfc  # each boundary's cell (distinct: cs > 1 / gap)
     assert cell_of.unique().numel() == cell_of.numel() and 0 < int(cell_of.min()) and int(cell_of.max()) < ncell - 1
-    bits32 = bnd.float().view(torch.int32).long() & 0xFFFFFFFF
+    bits32 = (bnd.float() + 0.0).view(torch.int32).long() & 0xFFFFFFFF  # -0 + 0 = +0 (`CMP_SIGN`)
     cbits = cb.float().view(torch.int32).long() & 0xFFFFFFFF
     k = torch.arange(ncell)
     base = torch.searchsorted(cell_of, k)  # boundaries in cells below k
@@ -1277,5 +1320,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=sign_mode(plan), num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), num_warps=warps, **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
