@@ -186,7 +186,8 @@ def _bit_identical_case(preset: str, d: int, dtype: torch.dtype, t: int, seed: i
     want, got = fmt.allocate(nb, bs, DEV), fmt.allocate(nb, bs, DEV)
     fmt.write(want, k, v, slots)
     plan = StorePlan(fmt, DEV, wmax=wmax)
-    assert (plan.tiles is not None) == (wmax is None or wmax >= 16) and not plan.search
+    tq = any(mode in (TQ, TQ_DENSE) for mode, *_ in plan.sides)
+    assert (plan.tiles is not None) == (tq and (wmax is None or wmax >= 16)) and not plan.search
     store_kv(got, plan, k, v, slots)
     _assert_tq_pages_identical(plan, want, got, f"{preset} d {d} {dtype}")
     _assert_minmax_pages_identical(plan, want, got, f"{preset} d {d} {dtype}")
@@ -506,3 +507,35 @@ def test_lane_table_rule():
     assert [bool(s[5][4]) for s in plans["tq_k4v4_nc"].sides] == [True, True]
     fmt = make_layer_format("turboquant_4bit_nc", 1, 8, 128, torch.bfloat16)
     assert bool(StorePlan(fmt, "cpu").sides[0][5][4]) and StorePlan(fmt, "cpu").sides[1][5] is None
+
+
+def test_term_lut_rule():
+    """nc sides of 3- and 4-bit codes without cell lanes shuffle their nc terms (`TERM_LUT`, LANES = -1): the lane
+    table holds round(c^2 * 2^SCALE_QS), as `reference.fixed_sum` rounds each term; other sides keep theirs."""
+    from tqserve.kvquant.reference import SCALE_QS, tq_codebook
+
+    for preset, want in (("turboquant_4bit_nc", [-1]), ("turboquant_k3v4_nc", [-1]), ("tq_k4v4_nc", None)):
+        plan = StorePlan(make_layer_format(preset, 1, 8, 128, torch.bfloat16), "cpu")
+        lanes = [s[5][6] for s in plan.sides if s[0] == TQ]
+        if want is None:
+            assert all(n > 0 for n in lanes), preset  # cell lanes: the terms come from their own table
+            continue
+        assert lanes == want, preset
+        bits = plan.sides[0][1]
+        cb = tq_codebook(bits, 128)[0]
+        terms = store_triton.nc_terms(cb)
+        assert terms == torch.round(cb.double() * cb.double() * 2.0**SCALE_QS).long().tolist()
+        ptx = plan.sides[0][5][4]
+        assert [_run_lane_table(ptx, lane) for lane in range(32)] == [terms[lane % len(terms)] for lane in range(32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("term_lut", [0, 1])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc"])
+def test_store_term_lut_gpu(preset, term_lut, monkeypatch):
+    """nc terms shuffled from the lane table (`TERM_LUT`) or formed by an fma from the scaled centroid: the
+    reference's page bits either way."""
+    monkeypatch.setattr(store_triton, "TERM_LUT", term_lut)
+    plan = StorePlan(make_layer_format(preset, 1, 2, 128, torch.bfloat16), "cpu")
+    assert (plan.sides[0][5][6] == -1) == bool(term_lut)
+    _bit_identical_case(preset, 128, torch.bfloat16, 20000, seed=29)

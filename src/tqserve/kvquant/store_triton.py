@@ -97,6 +97,10 @@ SIGN_XOR = 1
 # side: 4bit_nc 0.0472 / 0.0476 (both rounds), 3bit_nc 0.0510 / 0.0519, k3v4_nc 0.0516 / 0.0528 (the
 # store is not bound by issued instructions there).
 CELL_LANES = 1
+# nc sides of 3- or 4-bit codes without the lanes above: the lane table the index is shuffled from holds the
+# element's rounded ||c||^2 term itself (`lane_table_ptx` of `nc_terms`), not the scaled centroid, so the
+# term needs no fma and no subtraction per element (`_tq_tile_out`, LANES = -1)
+TERM_LUT = 1
 # Min-max codes by a saturating add (`_sat_index`): per element a multiply, an add.sat and an fma rounded toward
 # zero, then one integer min, where `_floor_index` takes two float clamps (ALU instructions, the store's busier
 # pipe), the add and the floor. Scaled by 2^-b, the add's saturation to [0, 1] is the clamp at 0, and
@@ -463,6 +467,9 @@ def _tq_tile_out(
     y = z * f
     if LANES > 0:
         idx, part = _tq_lookup_lanes(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LANES)
+    elif LANES == -1 and _ASM:  # `TERM_LUT`: the shuffled lane entry is the nc term's int32 bits
+        idx, tq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LUT, CMP)
+        part = tq.to(tl.int32, bitcast=True)
     else:
         idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LUT, CMP)
         part = _tq_scale_terms(y, cq, SCALE_MODE)
@@ -1021,6 +1028,12 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
     return tab, ncell, halfc, cs
 
 
+def nc_terms(cb: torch.Tensor) -> list[int]:
+    """round(c^2 * 2^SCALE_QS) per centroid c (float32, host), half to even: `_tq_scale_terms`' nc term, which
+    rounds the exact square (the float64 square of a float32 is exact)."""
+    return [int(v) for v in torch.round(cb.float().double() ** 2 * 2.0**SCALE_QS).long()]
+
+
 def lane_cells(tab: torch.Tensor, ncell: int, n: int) -> int:
     """`_tq_lookup_lanes`' LANES for `_cell_table`'s table (NCELL cells, n centroids): 0 where it holds
     no lane tables, else 1 + 64 lo + (hi - lo) for the cells [lo, hi] they cover (the tables themselves
@@ -1196,6 +1209,14 @@ class StorePlan:
         self.scale_mode, self.search = modes.pop() if modes else (0, False)
         if CELL_LANES == 1 and not all(m in (TQ, TQ_DENSE) for m, *_ in self.sides):
             self.sides = [(*side[:5], (*side[5][:6], 0) if side[5] else None) for side in self.sides]
+        if TERM_LUT and self.scale_mode == SCALE_MODES["nc"] and not self.search:
+            sides = []
+            for mode, bits, *names, table in self.sides:
+                if mode in (TQ, TQ_DENSE) and bits in (3, 4) and table[4] and not table[6]:
+                    terms = nc_terms(tq_codebook(bits, d)[0])
+                    table = (*table[:4], lane_table_ptx(terms), table[5], -1)
+                sides.append((mode, bits, *names, table))
+            self.sides = sides
         two_4bit = all(m in (TQ, TQ_DENSE) and b == 4 for m, b, *_ in self.sides)
         if two_4bit and self.scale_mode == SCALE_MODES["unbiased"] and not LANE_LUT_TWO_4BIT_UB:
             self.sides = [(*side[:5], (*side[5][:4], "", "", 0)) for side in self.sides]
