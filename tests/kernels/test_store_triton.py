@@ -527,6 +527,8 @@ def test_term_lut_rule():
         assert terms == torch.round(cb.double() * cb.double() * 2.0**SCALE_QS).long().tolist()
         ptx = plan.sides[0][5][4]
         assert [_run_lane_table(ptx, lane) for lane in range(32)] == [terms[lane % len(terms)] for lane in range(32)]
+        dense = StorePlan(make_layer_format(preset, 1, 8, 128, torch.bfloat16), "cpu", wmax=8)
+        assert dense.sides[0][0] == TQ_DENSE and dense.sides[0][5][6] == 0, preset  # the dense path keeps centroids
 
 
 @pytest.mark.gpu

@@ -1212,7 +1212,7 @@ class StorePlan:
         if TERM_LUT and self.scale_mode == SCALE_MODES["nc"] and not self.search:
             sides = []
             for mode, bits, *names, table in self.sides:
-                if mode in (TQ, TQ_DENSE) and bits in (3, 4) and table[4] and not table[6]:
+                if mode == TQ and bits in (3, 4) and table[4] and not table[6]:  # (the dense path: centroids)
                     terms = nc_terms(tq_codebook(bits, d)[0])
                     table = (*table[:4], lane_table_ptx(terms), table[5], -1)
                 sides.append((mode, bits, *names, table))
