@@ -101,8 +101,6 @@ CELL_LANES = 1
 # element's rounded ||c||^2 term itself (`lane_table_ptx` of `nc_terms`), not the scaled centroid, so the
 # term needs no fma and no subtraction per element (`_tq_tile_out`, LANES = -1)
 TERM_LUT = 1
-# KV heads per program: the token tile's slot loads and page-row arithmetic serve this many heads in turn
-HEADS_PER_PROGRAM = 1
 # Min-max codes by a saturating add (`_sat_index`): per element a multiply, an add.sat and an fma rounded toward
 # zero, then one integer min, where `_floor_index` takes two float clamps (ALU instructions, the store's busier
 # pipe), the add and the floor. Scaled by 2^-b, the add's saturation to [0, 1] is the clamp at 0, and
@@ -962,44 +960,16 @@ def _store_kv_kernel(
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr, HPP: tl.constexpr,
+    SAT: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.program_id(0) * BT
-    h0 = tl.program_id(1) * HPP
+    h = tl.program_id(1)
     t = t0 + tl.arange(0, BT)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
     ok = slot >= 0
     # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
     slot = tl.where(ok, slot, 0).to(tl.uint32)
-    tokp0 = ((slot // BS) * (HKV * BS) + h0 * BS + slot % BS).to(tl.int64)
-    for hh in tl.static_range(HPP):  # `HEADS_PER_PROGRAM`: the token tile's slots and rows serve HPP heads
-        _store_head(
-            k_ptr, v_ptr, stride_kt, stride_vt, t0, ok, tokp0 + hh * BS, h0 + hh,
-            kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
-            D, DP, BT, C, KMODE, KBITS, KGS, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
-            VMODE, VBITS, VGS, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES, SCALE_MODE, SEARCH, NGAIN,
-            NSPLIT, W, G0, NT, O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS, SAT,
-        )  # fmt: skip
-
-
-@triton.jit
-def _store_head(
-    k_ptr, v_ptr, stride_kt, stride_vt, t0, ok, tokp, h,
-    kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
-    D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
-    KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
-    KNCELL: tl.constexpr, KHALFC: tl.constexpr, KCS: tl.constexpr, KLUT: tl.constexpr, KCMP: tl.constexpr,
-    KLANES: tl.constexpr,
-    VMODE: tl.constexpr, VBITS: tl.constexpr, VGS: tl.constexpr,
-    VNCELL: tl.constexpr, VHALFC: tl.constexpr, VCS: tl.constexpr, VLUT: tl.constexpr, VCMP: tl.constexpr,
-    VLANES: tl.constexpr,
-    SCALE_MODE: tl.constexpr, SEARCH: tl.constexpr, NGAIN: tl.constexpr,
-    NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
-    O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
-    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr,
-):  # fmt: skip
-    """Keys, then values, of KV head h for the program's token tile (page rows tokp)."""
+    tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                 had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                 SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
@@ -1358,8 +1328,7 @@ def store_kv(
         w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
-    hpp = HEADS_PER_PROGRAM if hkv % HEADS_PER_PROGRAM == 0 else 1
-    grid = (triton.cdiv(T, bt), hkv // hpp)
+    grid = (triton.cdiv(T, bt), hkv)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
@@ -1372,5 +1341,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), HPP=hpp, num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), num_warps=warps, **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
