@@ -541,16 +541,3 @@ def test_store_term_lut_gpu(preset, term_lut, monkeypatch):
     plan = StorePlan(make_layer_format(preset, 1, 2, 128, torch.bfloat16), "cpu")
     assert (plan.sides[0][5][6] == -1) == bool(term_lut)
     _bit_identical_case(preset, 128, torch.bfloat16, 20000, seed=29)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
-def test_store_v_prefetch_gpu(preset, prefetch, monkeypatch):
-    """L2 prefetches of the values' rows (`V_PREFETCH` 1) and of the next wave's K / V rows (2) move no byte of the
-    pages: the reference's bits, with the last program's rows past the token count clamped to valid ones."""
-    monkeypatch.setattr(store_triton, "V_PREFETCH", prefetch)
-    plan = StorePlan(make_layer_format(preset, 1, 2, 128, torch.bfloat16), "cpu")
-    assert store_triton.v_prefetch(plan) == (prefetch if not INTERP else 0)
-    _bit_identical_case(preset, 128, torch.bfloat16, 20007, seed=47)
-    _compare(preset, 8, 128, 1001, seed=53)

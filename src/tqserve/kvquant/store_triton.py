@@ -101,10 +101,6 @@ CELL_LANES = 1
 # element's rounded ||c||^2 term itself (`lane_table_ptx` of `nc_terms`), not the scaled centroid, so the
 # term needs no fma and no subtraction per element (`_tq_tile_out`, LANES = -1)
 TERM_LUT = 1
-# Min-max values after a TurboQuant key side: their rows' cache lines are prefetched into L2 at the program's
-# start (`prefetch.global.L2`, one per line, no registers held), so the values' loads after the key side
-# find them there instead of waiting on DRAM (V_EARLY, which loaded them into registers, spilled at the cap)
-V_PREFETCH = 1
 # Min-max codes by a saturating add (`_sat_index`): per element a multiply, an add.sat and an fma rounded toward
 # zero, then one integer min, where `_floor_index` takes two float clamps (ALU instructions, the store's busier
 # pipe), the add and the floor. Scaled by 2^-b, the add's saturation to [0, 1] is the clamp at 0, and
@@ -221,19 +217,6 @@ def _floor_index(u, LEVELS: tl.constexpr):
         return t.to(tl.int32, bitcast=True) - 0x4B000000
     else:
         return tl.floor(u).to(tl.int32)
-
-
-_PREFETCH_PTX = tl.constexpr("{\nprefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}")
-
-
-@triton.jit
-def _prefetch_rows(x_ptr, xrow, ROW_BYTES: tl.constexpr):
-    """Prefetch into L2 the 128-byte lines of rows xrow (element offsets of x_ptr, rows of the tensor) that
-    hold ROW_BYTES each."""
-    NL: tl.constexpr = ROW_BYTES // 128
-    c = tl.arange(0, NL) * (1024 // x_ptr.dtype.element_ty.primitive_bitwidth)
-    p = x_ptr + xrow[:, None] + c[None, :]
-    tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
 
 
 _SAT_PTX = tl.constexpr("""{
@@ -964,7 +947,7 @@ def _store_side(
 
 @triton.jit(do_not_specialize=["T"])  # token count: one binary for every step size
 def _store_kv_kernel(
-    k_ptr, v_ptr, stride_kt, stride_vt, slot_ptr, T, ahead,
+    k_ptr, v_ptr, stride_kt, stride_vt, slot_ptr, T,
     kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr, had_ptr, gain_ptr,
     HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, C: tl.constexpr,
     KMODE: tl.constexpr, KBITS: tl.constexpr, KGS: tl.constexpr,
@@ -977,7 +960,7 @@ def _store_kv_kernel(
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr, PREFETCH: tl.constexpr,
+    SAT: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
@@ -987,17 +970,6 @@ def _store_kv_kernel(
     # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
-    if PREFETCH > 0:  # `V_PREFETCH` (rows past the last token: the last token's, a valid address)
-        vrow = tl.minimum(t, T - 1).to(tl.int64) * stride_vt + h * D
-        _prefetch_rows(v_ptr, vrow, D * v_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    if PREFETCH > 1:  # and the K / V rows of the program launched `ahead` programs after this one
-        g0 = tl.num_programs(0)
-        nxt = tl.program_id(0) + h * g0 + ahead
-        if nxt < g0 * HKV:
-            tn = tl.minimum((nxt % g0) * BT + tl.arange(0, BT), T - 1).to(tl.int64)
-            hn = nxt // g0
-            _prefetch_rows(k_ptr, tn * stride_kt + hn * D, D * k_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            _prefetch_rows(v_ptr, tn * stride_vt + hn * D, D * v_ptr.dtype.element_ty.primitive_bitwidth // 8)
     _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                 had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                 SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
@@ -1315,21 +1287,6 @@ def signs_at_load(plan: StorePlan) -> bool:
     return bool(SIGNS_AT_LOAD) and plan.tiles is not None and _launch_shape(plan) == (16, 2, 80)
 
 
-def _prefetch_ahead(device: torch.device, regs: int | None, warps: int) -> int:
-    """`V_PREFETCH = 2`'s distance in programs: about one wave (the programs resident at once, by the register cap)."""
-    if device.type != "cuda":
-        return 0
-    per_sm = max(1, 65536 // ((regs or 128) * 32 * warps))
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def v_prefetch(plan: StorePlan) -> int:
-    """Whether the store prefetches the min-max values' rows (`V_PREFETCH`): a TurboQuant key side first, on
-    the GPU (the interpreter runs no PTX)."""
-    tq_keys = plan.sides[0][0] in (TQ, TQ_DENSE) and plan.sides[1][0] == MINMAX
-    return int(V_PREFETCH) if tq_keys and os.environ.get("TRITON_INTERPRET") != "1" else 0
-
-
 def store_kv(
     pages: dict[str, torch.Tensor],
     plan: StorePlan,
@@ -1373,7 +1330,7 @@ def store_kv(
     (km, kb, *_), (vm, vb, *_) = plan.sides
     grid = (triton.cdiv(T, bt), hkv)
     _store_kv_kernel[grid](
-        k, v, k.stride(0), v.stride(0), slot_mapping, T, _prefetch_ahead(k.device, regs, warps), *args, rot, had,
+        k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
         HKV=hkv, BS=bs, D=d, DP=dp, BT=bt, C=min(dp, 64),
         KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, KNCELL=cells[0][0], KHALFC=cells[0][1], KCS=cells[0][2],
@@ -1384,6 +1341,5 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), PREFETCH=v_prefetch(plan),
-        num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), num_warps=warps, **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
