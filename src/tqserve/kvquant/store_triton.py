@@ -1250,24 +1250,31 @@ class StorePlan:
         return 8
 
 
+# The register cap of one warp of 8 tokens where one TurboQuant side packs codes across words (3 or 5 bits). H200,
+# thirty-fourth session, store 16K, 1 / 8 layers, us at 96 / 88 / 80: 3bit_nc 49.98 / 50.78 / 49.22 and 45.26 /
+# 46.13 / 44.84, k3v4_nc 50.40 / 50.88 / 49.54 and 45.63 / 46.15 / 45.03 (80: 25 warps per SM, 9-11 spill
+# instructions; 88: 23 warps, 2-4)
+GROUPED_ONE_SIDE_MAXNREG = 80
+
+
 def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     """(tokens per program, warps, register cap or None), from the sweeps in docs/benchmarks.md (store,
     thirteenth session: H100, 16384 tokens x 8 heads x d 128, this kernel with 8-byte cell entries).
     Hadamard-tiled TurboQuant at d <= 128 without the gain search: a side packed in groups that cross
     words (3 or 5 bits) takes one warp of 8 tokens (k3v4_nc 0.0498 ms vs 0.0505 at 16 x 2, 3bit_nc
-    0.0497 vs 0.0607, tq4 0.0832 vs 0.0844 at 16 x 2 and 0.1041 at 32 x 2), capped at 96 registers for
-    one TurboQuant side and 128 for two; otherwise one side at 16 tokens x 2 warps capped at 80
-    (4bit_nc 0.0494 ms, 0.0496 at 8 x 1), two sides at 16 x 2 without a cap (fifteenth session, L2 warm: tq3
-    0.0638 vs 0.0672 capped at 128 and 0.0735 at 168, 0.0899 at 32 x 2 x 128; tq_k4v4_ub 0.0660 vs
-    0.0689 capped, 0.0689 at 8 x 1). Other head sizes and the
-    gain search keep the earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4
+    0.0497 vs 0.0607, tq4 0.0832 vs 0.0844 at 16 x 2 and 0.1041 at 32 x 2), capped at
+    `GROUPED_ONE_SIDE_MAXNREG` registers for one TurboQuant side and 128 for two; otherwise one side at 16
+    tokens x 2 warps capped at 80 (4bit_nc 0.0494 ms, 0.0496 at 8 x 1; H200, thirty-fourth session: 72 and 64
+    slower), two sides at 16 x 2 without a cap (fifteenth session, L2 warm: tq3 0.0638 vs 0.0672 capped at 128
+    and 0.0735 at 168, 0.0899 at 32 x 2 x 128; tq_k4v4_ub 0.0660 vs 0.0689 capped, 0.0689 at 8 x 1). Other head
+    sizes and the gain search keep the earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4
     (presets without TurboQuant: 32 and 64 no faster; the gain search, ~50 quantizations per element:
     tq4s 4.35 ms vs 4.88 at 64)."""
     tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
     tuned = plan.tiles is not None and not plan.search and plan.head_dim <= 128
     if tuned:  # (a tile plan means at least one TurboQuant side)
         if any(g not in (None, 0, -1) for g in plan.group):
-            return (8, 1, 128) if len(tq) == 2 else (8, 1, 96)
+            return (8, 1, 128) if len(tq) == 2 else (8, 1, GROUPED_ONE_SIDE_MAXNREG)
         return (16, 2, None) if len(tq) == 2 else (16, 2, 80)
     if len(tq) == 2 and not plan.search:
         return 64, 4, None
