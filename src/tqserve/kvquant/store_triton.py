@@ -109,7 +109,7 @@ SAT_INDEX = 1
 # The lookups' compare y > p as the sign bit of p - y (an FMA-pipe subtraction and a shift) instead of a
 # compare and a select (two ALU instructions): IEEE subtraction without flush to zero is negative exactly
 # where y > p; p is never -0 (`_cell_table` stores +0, which compares the same), +inf where a cell holds
-# no boundary (+inf - y > 0). 0: the compare
+# no boundary (+inf - y > 0). 0: the compare (read when the module loads: the PTX strings are built then)
 CMP_SIGN = 1
 _CMP_PTX = (
     "sub.rn.f32 d, pb, $2;\nmov.b32 m, d;\nshr.u32 m, m, 31;\nadd.s32 $0, bs, m;\n"
@@ -119,7 +119,7 @@ _CMP_PTX = (
 # `_tq_lookup`'s PTX: the cell entry's count of boundaries below y, then the centroid at that index.
 # Operands: $0 index, $1 centroid, $2 y, $3 a, $4 b (t = a * b + 1.5 * 2^23 picks the cell), $5 the bits
 # of 1.5 * 2^23 less HALFC, $6 NCELL - 1, $7 the cell table, $8 the centroid column (a load) or the
-# lane's table entry (a shuffle, `LANE_LUT`)
+# lane's table entry (a shuffle, `LANE_LUT`: the scaled centroid, or with `TERM_LUT` the nc term)
 _CELL_PTX = (
     """
 .reg .f32 t, pb, d;
@@ -377,7 +377,8 @@ def _tq_lookup(
     steps in Triton.
 
     LUT (GPU, the scaled centroids only): `lane_table_ptx`'s lane table, from which the centroid is
-    taken by a warp shuffle instead of the second load. CMP (GPU, with LUT): `compare_ptx`'s block, which
+    taken by a warp shuffle instead of the second load (with `TERM_LUT` the table holds nc terms instead,
+    and the second value returned is their int32 bits). CMP (GPU, with LUT): `compare_ptx`'s block, which
     counts the boundaries below y by compares instead of the cell table."""
     b = tl.zeros_like(y) + b  # a column or a scalar: the asm takes whole tiles
     if _ASM:
@@ -463,7 +464,8 @@ def _tq_tile_out(
 ):  # fmt: skip
     """Quantize and pack the rotated unit-vector coordinates y = z * f [BT, W] (z: the exact integer
     Hadamard sums, float32; f, fc = f * CS: [BT, 1] columns); return the elements' int32 terms of the
-    scale's sum (`_tq_scale_terms`; LANES > 0, nc only: from `_tq_lookup_lanes`)."""
+    scale's sum (`_tq_scale_terms`; LANES > 0, nc only: from `_tq_lookup_lanes`; LANES = -1, nc only: the
+    lane table's terms, `TERM_LUT`)."""
     y = z * f
     if LANES > 0:
         idx, part = _tq_lookup_lanes(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LANES)
@@ -1145,7 +1147,8 @@ class StorePlan:
         self.gains: torch.Tensor | None = None
         self.rot = self.tiles = None
         self.had: torch.Tensor | None = None  # H_W and the signs (`_rot_tile`), fp16
-        # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS, LUT, CMP, LANES))
+        # per side: (mode, bits, payload name, scale name, zero name, (table, NCELL, HALFC, CS, LUT, CMP, LANES));
+        # LANES: `lane_cells`' value, or -1 where LUT holds the nc terms (`TERM_LUT`)
         self.sides = []
         if isinstance(fmt, ExactFormat):
             self.sides = [
