@@ -12,6 +12,7 @@ launch shape). Each variant starts from the module's defaults: knobs another var
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import statistics
 import sys
@@ -53,10 +54,15 @@ def _apply(spec: str) -> None:
             setattr(mod, key, type(getattr(mod, key))(val))
 
 
-def main(argv: list[str]) -> int:
-    presets = argv[0].split(",")
-    variants = [v.split(":", 1) if ":" in v else (v, "") for v in argv[1].split(";")]
-    rounds = int(argv[2]) if len(argv) > 2 else 3
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("presets", help="comma-separated KV presets")
+    ap.add_argument("variants", help="label:spec;label:spec;... (see above)")
+    ap.add_argument("rounds", nargs="?", type=int, default=3)
+    args = ap.parse_args(argv)
+    presets = args.presets.split(",")
+    variants = [v.split(":", 1) if ":" in v else (v, "") for v in args.variants.split(";")]
+    rounds = args.rounds
     dev = torch.device("cuda")
     kernels.GRAPHS = True
     bw = kernels.copy_bandwidth(dev)
@@ -79,4 +85,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
