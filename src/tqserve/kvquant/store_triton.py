@@ -1024,7 +1024,7 @@ def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tu
         # gives the same count; lanes past hi repeat it), then index j's nc term round(c_j^2 * 2^SCALE_QS)
         # (`reference.fixed_sum`'s rounding of the exact float64 square; lanes past the count repeat)
         k = torch.clamp(torch.arange(32) + lo, max=hi)
-        terms = torch.round(cb.float().double() ** 2 * 2.0**SCALE_QS).long()
+        terms = torch.tensor(nc_terms(cb), dtype=torch.long)
         parts += [own[k], base[k], terms[torch.arange(32) % n]]
     tab = torch.cat(parts).to(torch.uint32).view(torch.int32)
     return tab, ncell, halfc, cs
