@@ -111,6 +111,10 @@ SAT_INDEX = 1
 # where y > p; p is never -0 (`_cell_table` stores +0, which compares the same), +inf where a cell holds
 # no boundary (+inf - y > 0). 0: the compare (read when the module loads: the PTX strings are built then)
 CMP_SIGN = 1
+# Keys and values stored by separate programs of the one launch (grid axis 2 picks the side) instead of one
+# program storing the key side, then the value side: 1 interleaved (even programs keys, odd ones values), 2 all
+# key programs launched first (grid axis 2)
+SPLIT_SIDES = 0
 _CMP_PTX = (
     "sub.rn.f32 d, pb, $2;\nmov.b32 m, d;\nshr.u32 m, m, 31;\nadd.s32 $0, bs, m;\n"
     if CMP_SIGN
@@ -962,9 +966,14 @@ def _store_kv_kernel(
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr,
+    SAT: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    t0 = tl.program_id(0) * BT
+    if SPLIT == 1:  # sides interleaved: even programs store keys, odd ones values
+        t0 = (tl.program_id(0) // 2) * BT
+        side = tl.program_id(0) % 2
+    else:
+        t0 = tl.program_id(0) * BT
+        side = tl.program_id(2)
     h = tl.program_id(1)
     t = t0 + tl.arange(0, BT)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
@@ -972,14 +981,26 @@ def _store_kv_kernel(
     # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
-    _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
-                had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
-                SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
-    _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
-                had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
-                SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+    if SPLIT:  # `SPLIT_SIDES`
+        if side == 0:
+            _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
+                        had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
+                        SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
+                        B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+        else:
+            _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
+                        had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
+                        SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
+                        B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+    else:
+        _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
+                    had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
+                    SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
+                    B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+        _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
+                    had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
+                    SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
+                    B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
 
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
@@ -1338,7 +1359,7 @@ def store_kv(
         w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
-    grid = (triton.cdiv(T, bt), hkv)
+    grid = (triton.cdiv(T, bt) * (2 if SPLIT_SIDES == 1 else 1), hkv, 2 if SPLIT_SIDES == 2 else 1)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
@@ -1351,5 +1372,6 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=SPLIT_SIDES, num_warps=warps,
+        **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
