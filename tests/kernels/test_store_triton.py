@@ -273,6 +273,52 @@ def test_store_sign_xor(preset, dtype, sign_xor, monkeypatch):
     _bit_identical_case(preset, 64, dtype, 40, seed=13)
 
 
+def test_split_sides_rule(monkeypatch):
+    """Keys and values in separate programs (`split_sides`): by default the tuned launches of two TurboQuant sides
+    and of one whose codes stay within words (4bit_nc, then capped at 64 registers), not the 8 x 1 launch of one
+    3-bit side, d = 256 or the gain search; `SPLIT_SIDES` 2 / 0 forces it on / off."""
+    presets = ("turboquant_4bit_nc", "tq3", "tq4", "tq_k4v4_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc",
+               "turboquant_k8v4", "tq4s", "bfloat16")  # fmt: skip
+    plans = {p: StorePlan(make_layer_format(p, 1, 8, 128, torch.bfloat16), "cpu") for p in presets}
+    split = [p for p, plan in plans.items() if store_triton.split_sides(plan)]
+    assert split == ["turboquant_4bit_nc", "tq3", "tq4", "tq_k4v4_nc"]
+    assert store_triton._launch_shape(plans["turboquant_4bit_nc"]) == (16, 2, store_triton.SPLIT_ONE_SIDE_MAXNREG)
+    wide = StorePlan(make_layer_format("turboquant_4bit_nc", 1, 8, 256, torch.bfloat16), "cpu")
+    assert not store_triton.split_sides(wide)
+    monkeypatch.setattr(store_triton, "SPLIT_SIDES", 0)
+    assert not any(store_triton.split_sides(plan) for plan in plans.values())
+    assert store_triton._launch_shape(plans["turboquant_4bit_nc"]) == (16, 2, 80)
+    monkeypatch.setattr(store_triton, "SPLIT_SIDES", 2)
+    assert all(store_triton.split_sides(plan) for plan in plans.values())
+
+
+@pytest.mark.parametrize("split", [0, 2])
+@pytest.mark.parametrize(
+    "preset,dtype",
+    [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.float32), ("turboquant_3bit_nc", torch.float16)],
+)
+def test_store_split_sides(preset, dtype, split, monkeypatch):
+    """Sides in one program or in two (`SPLIT_SIDES`, forced either way): the reference's page bits, skipped
+    slots untouched (`_compare`: poisoned pages, every fifth slot -1)."""
+    monkeypatch.setattr(store_triton, "SPLIT_SIDES", split)
+    _bit_identical_case(preset, 64, dtype, 40, seed=29)
+    _compare(preset, 2, 64, 40, seed=31)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 2])
+@pytest.mark.parametrize(
+    "preset", ["turboquant_4bit_nc", "tq3", "tq4", "tq_k4v4_nc", "turboquant_3bit_nc", "turboquant_k8v4", "fp8", "auto"]
+)
+def test_store_split_sides_gpu(preset, split, monkeypatch):
+    monkeypatch.setattr(store_triton, "SPLIT_SIDES", split)
+    if preset in ("fp8", "auto", "turboquant_k8v4"):
+        _compare(preset, 8, 128, 3000, seed=37)
+    else:
+        _bit_identical_case(preset, 128, torch.bfloat16, 20000, seed=37)
+        _compare(preset, 8, 128, 3000, seed=37)
+
+
 def test_compare_ptx_boundaries():
     """The 2-bit sides' compare block holds each boundary's exact float32 bits, in order, one subtraction
     each; the tables of 2-bit sides carry it, wider ones do not."""

@@ -111,10 +111,21 @@ SAT_INDEX = 1
 # where y > p; p is never -0 (`_cell_table` stores +0, which compares the same), +inf where a cell holds
 # no boundary (+inf - y > 0). 0: the compare (read when the module loads: the PTX strings are built then)
 CMP_SIGN = 1
-# Keys and values stored by separate programs of the one launch (grid axis 2 picks the side) instead of one
-# program storing the key side, then the value side: 1 interleaved (even programs keys, odd ones values), 2 all
-# key programs launched first (grid axis 2)
-SPLIT_SIDES = 0
+# Keys and values stored by separate programs of the one launch (grid axis 2 picks the side; CUDA starts the
+# programs of axis 2 = 0, the keys, first) instead of one program storing its tokens' keys, then their values:
+# 1 by `split_sides`' rule, 0 never, 2 every launch. A program then holds one side's registers: 4bit_nc's key
+# side builds at 64 without spills (16 programs per SM instead of 12; unsplit, 64 spills). H200, thirty-fifth
+# session, `benchmarks/store_ab.py`, 16K tokens, 1 / 8 layers, us, unsplit -> split:
+#   4bit_nc (cap 64)   46.69 -> 45.66, 42.56 -> 42.10 (cap 80: 47.84, 44.10; cap 56: 48.83, 45.34)
+#   tq3                57.34 -> 55.49, 53.15 -> 51.19
+#   tq_k4v4_nc         62.94 -> 60.45, 58.58 -> 56.14
+#   tq4                76.96 -> 75.26, 72.99 -> 70.84
+# and slower for the one-side 3-bit launches (8 x 1): k3v4_nc 49.22 -> 52.74 (cap 72: 57.76), 3bit_nc 49.25 ->
+# 53.31. Key and value programs interleaved (even / odd program ids) were slower than keys first: 4bit_nc at
+# 64 registers 47.30 / 45.54, at 80 48.99 / 47.84.
+SPLIT_SIDES = 1
+# The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
+SPLIT_ONE_SIDE_MAXNREG = 64
 _CMP_PTX = (
     "sub.rn.f32 d, pb, $2;\nmov.b32 m, d;\nshr.u32 m, m, 31;\nadd.s32 $0, bs, m;\n"
     if CMP_SIGN
@@ -968,12 +979,7 @@ def _store_kv_kernel(
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
     SAT: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    if SPLIT == 1:  # sides interleaved: even programs store keys, odd ones values
-        t0 = (tl.program_id(0) // 2) * BT
-        side = tl.program_id(0) % 2
-    else:
-        t0 = tl.program_id(0) * BT
-        side = tl.program_id(2)
+    t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
     t = t0 + tl.arange(0, BT)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
@@ -981,8 +987,8 @@ def _store_kv_kernel(
     # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
-    if SPLIT:  # `SPLIT_SIDES`
-        if side == 0:
+    if SPLIT:  # `split_sides`: grid axis 2 picks the side, all key programs first (launch order)
+        if tl.program_id(2) == 0:
             _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                         had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
@@ -1289,20 +1295,40 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     0.0497 vs 0.0607, tq4 0.0832 vs 0.0844 at 16 x 2 and 0.1041 at 32 x 2), capped at
     `GROUPED_ONE_SIDE_MAXNREG` registers for one TurboQuant side and 128 for two; otherwise one side at 16
     tokens x 2 warps capped at 80 (4bit_nc 0.0494 ms, 0.0496 at 8 x 1; H200, thirty-fourth session: 72 and 64
-    slower), two sides at 16 x 2 without a cap (fifteenth session, L2 warm: tq3 0.0638 vs 0.0672 capped at 128
+    slower), or at `SPLIT_ONE_SIDE_MAXNREG` where the sides split (`split_sides`), two sides at 16 x 2 without a cap (fifteenth session, L2 warm: tq3 0.0638 vs 0.0672 capped at 128
     and 0.0735 at 168, 0.0899 at 32 x 2 x 128; tq_k4v4_ub 0.0660 vs 0.0689 capped, 0.0689 at 8 x 1). Other head
     sizes and the gain search keep the earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4
     (presets without TurboQuant: 32 and 64 no faster; the gain search, ~50 quantizations per element:
     tq4s 4.35 ms vs 4.88 at 64)."""
     tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
-    tuned = plan.tiles is not None and not plan.search and plan.head_dim <= 128
-    if tuned:  # (a tile plan means at least one TurboQuant side)
-        if any(g not in (None, 0, -1) for g in plan.group):
+    if _tuned(plan):  # (a tile plan means at least one TurboQuant side)
+        if _grouped(plan):
             return (8, 1, 128) if len(tq) == 2 else (8, 1, GROUPED_ONE_SIDE_MAXNREG)
-        return (16, 2, None) if len(tq) == 2 else (16, 2, 80)
+        if len(tq) == 2:
+            return 16, 2, None
+        return 16, 2, SPLIT_ONE_SIDE_MAXNREG if split_sides(plan) else 80
     if len(tq) == 2 and not plan.search:
         return 64, 4, None
     return 16, 4, None
+
+
+def _tuned(plan: StorePlan) -> bool:
+    """Hadamard-tiled TurboQuant at d <= 128 without the gain search: the launches tuned per layout."""
+    return plan.tiles is not None and not plan.search and plan.head_dim <= 128
+
+
+def _grouped(plan: StorePlan) -> bool:
+    """A side packed in groups that cross words (3 or 5 bits)."""
+    return any(g not in (None, 0, -1) for g in plan.group)
+
+
+def split_sides(plan: StorePlan) -> bool:
+    """Whether keys and values go to separate programs (`SPLIT_SIDES`): by default the tuned launches with two
+    TurboQuant sides, or one whose codes do not cross words (4bit_nc); not one 3- or 5-bit side (8 x 1)."""
+    if SPLIT_SIDES != 1:
+        return bool(SPLIT_SIDES)
+    two = sum(s[0] in (TQ, TQ_DENSE) for s in plan.sides) == 2
+    return _tuned(plan) and (two or not _grouped(plan))
 
 
 def sign_mode(plan: StorePlan) -> int:
@@ -1315,7 +1341,8 @@ def signs_at_load(plan: StorePlan) -> bool:
     whose codes do not cross words, in the tuned 16 x 2 launch (the other launches ran slower with it)."""
     if SIGNS_AT_LOAD == 2:
         return plan.tiles is not None
-    return bool(SIGNS_AT_LOAD) and plan.tiles is not None and _launch_shape(plan) == (16, 2, 80)
+    one = sum(s[0] in (TQ, TQ_DENSE) for s in plan.sides) == 1
+    return bool(SIGNS_AT_LOAD) and _tuned(plan) and one and not _grouped(plan)
 
 
 def store_kv(
@@ -1359,7 +1386,8 @@ def store_kv(
         w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
-    grid = (triton.cdiv(T, bt) * (2 if SPLIT_SIDES == 1 else 1), hkv, 2 if SPLIT_SIDES == 2 else 1)
+    split = split_sides(plan)
+    grid = (triton.cdiv(T, bt), hkv, 2 if split else 1)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
@@ -1372,6 +1400,6 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=SPLIT_SIDES, num_warps=warps,
+        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, num_warps=warps,
         **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
