@@ -1295,11 +1295,11 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     0.0497 vs 0.0607, tq4 0.0832 vs 0.0844 at 16 x 2 and 0.1041 at 32 x 2), capped at
     `GROUPED_ONE_SIDE_MAXNREG` registers for one TurboQuant side and 128 for two; otherwise one side at 16
     tokens x 2 warps capped at 80 (4bit_nc 0.0494 ms, 0.0496 at 8 x 1; H200, thirty-fourth session: 72 and 64
-    slower), or at `SPLIT_ONE_SIDE_MAXNREG` where the sides split (`split_sides`), two sides at 16 x 2 without a cap (fifteenth session, L2 warm: tq3 0.0638 vs 0.0672 capped at 128
-    and 0.0735 at 168, 0.0899 at 32 x 2 x 128; tq_k4v4_ub 0.0660 vs 0.0689 capped, 0.0689 at 8 x 1). Other head
-    sizes and the gain search keep the earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4
-    (presets without TurboQuant: 32 and 64 no faster; the gain search, ~50 quantizations per element:
-    tq4s 4.35 ms vs 4.88 at 64)."""
+    slower), or at `SPLIT_ONE_SIDE_MAXNREG` where the sides split (`split_sides`), two sides at 16 x 2 without a
+    cap (fifteenth session, L2 warm: tq3 0.0638 vs 0.0672 capped at 128 and 0.0735 at 168, 0.0899 at 32 x 2 x
+    128; tq_k4v4_ub 0.0660 vs 0.0689 capped, 0.0689 at 8 x 1). Other head sizes and the gain search keep the
+    earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4 (presets without TurboQuant: 32 and
+    64 no faster; the gain search, ~50 quantizations per element: tq4s 4.35 ms vs 4.88 at 64)."""
     tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
     if _tuned(plan):  # (a tile plan means at least one TurboQuant side)
         if _grouped(plan):
