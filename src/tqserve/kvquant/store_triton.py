@@ -124,6 +124,9 @@ CMP_SIGN = 1
 # 53.31. Key and value programs interleaved (even / odd program ids) were slower than keys first: 4bit_nc at
 # 64 registers 47.30 / 45.54, at 80 48.99 / 47.84.
 SPLIT_SIDES = 1
+# K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
+# mapping's load (two dependent memory round trips per program otherwise)
+LOAD_BY_TOKEN = 1
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
 _CMP_PTX = (
@@ -595,19 +598,19 @@ def _dense_y(xf, n2f, rot_ptr, c0, d, dmask, D: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_ptr, xrow, tok_ok, col0, W: tl.constexpr):
-    """x[:, col0:col0 + W] in the input dtype (rows of skipped tokens: 0)."""
+def _load_tile(x_ptr, xrow, row_ok, col0, W: tl.constexpr):
+    """x[:, col0:col0 + W] in the input dtype (rows where row_ok is false: 0)."""
     c = col0 + tl.arange(0, W)
-    return tl.load(x_ptr + xrow[:, None] + c[None, :], mask=tok_ok[:, None], other=0.0)
+    return tl.load(x_ptr + xrow[:, None] + c[None, :], mask=row_ok[:, None], other=0.0)
 
 
 @triton.jit
-def _load_signed(x_ptr, xrow, tok_ok, col0, sign_ptr, W: tl.constexpr, SIGNED: tl.constexpr):
+def _load_signed(x_ptr, xrow, row_ok, col0, sign_ptr, W: tl.constexpr, SIGNED: tl.constexpr):
     """`_load_tile`, with SIGNED the rotation's signs (fp16 +-1 at sign_ptr, by column) applied at once:
     16-bit inputs by an XOR of the sign bit, two columns per instruction, float32 ones by a multiply
     (exact either way). The fixed point and its rounding are symmetric, so signing before them gives
     the integers that flipping after them gives (`_rot_tile` then skips its multiply)."""
-    x = _load_tile(x_ptr, xrow, tok_ok, col0, W)
+    x = _load_tile(x_ptr, xrow, row_ok, col0, W)
     if SIGNED:
         s = tl.load(sign_ptr + col0 + tl.arange(0, W))
         if x.dtype.primitive_bitwidth == 16:
@@ -678,7 +681,7 @@ def _rot_tile(xi, had_ptr, hw, col0, W: tl.constexpr, HS: tl.constexpr, NSPLIT: 
 
 @triton.jit
 def _tq_side(
-    x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
+    x_ptr, xrow, ld_ok, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
     BITS: tl.constexpr, SCALE_MODE: tl.constexpr, GS: tl.constexpr,
     NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
     LANES: tl.constexpr,
@@ -702,24 +705,24 @@ def _tq_side(
     formed again from gain * y (the same float32 product, so the same indices) and packed."""
     # same-width tiles are combined elementwise before one row reduction (reductions cross warps)
     sgn = had_ptr + W * W  # the head's signs, after H_W
-    x0 = _load_signed(x_ptr, xrow, tok_ok, 0, sgn, W, SIGNS == 1)
+    x0 = _load_signed(x_ptr, xrow, ld_ok, 0, sgn, W, SIGNS == 1)
     m = tl.abs(x0)
     if G0 > 1:
-        x1 = _load_signed(x_ptr, xrow, tok_ok, W, sgn, W, SIGNS == 1)
+        x1 = _load_signed(x_ptr, xrow, ld_ok, W, sgn, W, SIGNS == 1)
         m = tl.maximum(m, tl.abs(x1))
     if G0 > 2:
-        x2 = _load_signed(x_ptr, xrow, tok_ok, 2 * W, sgn, W, SIGNS == 1)
-        x3 = _load_signed(x_ptr, xrow, tok_ok, 3 * W, sgn, W, SIGNS == 1)
+        x2 = _load_signed(x_ptr, xrow, ld_ok, 2 * W, sgn, W, SIGNS == 1)
+        x3 = _load_signed(x_ptr, xrow, ld_ok, 3 * W, sgn, W, SIGNS == 1)
         m = tl.maximum(m, tl.maximum(tl.abs(x2), tl.abs(x3)))
     amax = tl.max(m, 1).to(tl.float32)
     if NT > G0:
-        xt1 = _load_signed(x_ptr, xrow, tok_ok, O1, sgn, W1, SIGNS == 1)
+        xt1 = _load_signed(x_ptr, xrow, ld_ok, O1, sgn, W1, SIGNS == 1)
         amax = tl.maximum(amax, _absmax(xt1))
     if NT > G0 + 1:
-        xt2 = _load_signed(x_ptr, xrow, tok_ok, O2, sgn, W2, SIGNS == 1)
+        xt2 = _load_signed(x_ptr, xrow, ld_ok, O2, sgn, W2, SIGNS == 1)
         amax = tl.maximum(amax, _absmax(xt2))
     if NT > G0 + 2:
-        xt3 = _load_signed(x_ptr, xrow, tok_ok, O3, sgn, W3, SIGNS == 1)
+        xt3 = _load_signed(x_ptr, xrow, ld_ok, O3, sgn, W3, SIGNS == 1)
         amax = tl.maximum(amax, _absmax(xt3))
     p, rp = _fixed_scale(amax)
     hr = tl.arange(0, W)
@@ -864,7 +867,7 @@ def _tq_side(
 
 @triton.jit
 def _store_side(
-    x_ptr, stride_xt, t0, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
+    x_ptr, stride_xt, t0, ld_ok, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
     NCELL: tl.constexpr, HALFC: tl.constexpr, CS: tl.constexpr, LUT: tl.constexpr, CMP: tl.constexpr,
     LANES: tl.constexpr,
@@ -878,14 +881,14 @@ def _store_side(
     t = t0 + tl.arange(0, BT)
     xrow = t.to(tl.int64) * stride_xt + h * D
     if MODE == 1:
-        _tq_side(x_ptr, xrow, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
+        _tq_side(x_ptr, xrow, ld_ok, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
                  BITS, SCALE_MODE, GS, NCELL, HALFC, CS, LUT, CMP, LANES, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
                  O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
     else:
         d = tl.arange(0, DP)
         dmask = d < D
         m2 = tok_ok[:, None] & dmask[None, :]
-        xr = tl.load(x_ptr + xrow[:, None] + d[None, :], mask=m2, other=0.0)
+        xr = tl.load(x_ptr + xrow[:, None] + d[None, :], mask=ld_ok[:, None] & dmask[None, :], other=0.0)
         x = xr.to(tl.float32)
         if MODE == 0:
             tl.store(pay_ptr + tokp[:, None] * D + d[None, :], x.to(pay_ptr.dtype.element_ty), mask=m2)
@@ -977,7 +980,7 @@ def _store_kv_kernel(
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr, SPLIT: tl.constexpr,
+    SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
@@ -985,25 +988,28 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
     ok = slot >= 0
     # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
+    # K / V rows load by t < T, not by the slot: the loads then need not wait for the slot mapping's (skipped
+    # tokens' rows are quantized and not written; every store is masked by the slot)
+    ld_ok = (t < T) if LOAD_BY_TOKEN else ok
     slot = tl.where(ok, slot, 0).to(tl.uint32)
     tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     if SPLIT:  # `split_sides`: grid axis 2 picks the side, all key programs first (launch order)
         if tl.program_id(2) == 0:
-            _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
+            _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                         had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
         else:
-            _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
+            _store_side(v_ptr, stride_vt, t0, ld_ok, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                         had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
     else:
-        _store_side(k_ptr, stride_kt, t0, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
+        _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                     had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                     B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
-        _store_side(v_ptr, stride_vt, t0, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
+        _store_side(v_ptr, stride_vt, t0, ld_ok, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                     had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                     B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
@@ -1400,6 +1406,6 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, num_warps=warps,
+        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN), num_warps=warps,
         **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
