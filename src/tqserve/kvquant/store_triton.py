@@ -127,6 +127,9 @@ SPLIT_SIDES = 1
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
 LOAD_BY_TOKEN = 1
+# Where the sides split, each value program of min-max values stores this many (1 or 2) key programs' token
+# tiles, all rows loaded first (more bytes in flight per program: the value programs are memory-bound)
+SPLIT_VALUE_TILES = 1
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
 _CMP_PTX = (
@@ -866,6 +869,43 @@ def _tq_side(
 
 
 @triton.jit
+def _load_rows(x_ptr, stride_xt, t0, ld_ok, h, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr):
+    """Head h's rows of tokens [t0, t0 + BT), [BT, DP] in the input dtype (0 where not ld_ok or past D)."""
+    t = t0 + tl.arange(0, BT)
+    d = tl.arange(0, DP)
+    ptr = x_ptr + (t.to(tl.int64) * stride_xt + h * D)[:, None] + d[None, :]
+    return tl.load(ptr, mask=ld_ok[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _minmax_tile(
+    xr, dmask, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+    DP: tl.constexpr, GS: tl.constexpr, SAT: tl.constexpr,
+):  # fmt: skip
+    """Min-max codes, scale and zero of the rows xr [BT, DP] (input dtype), written where tok_ok."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    # row min / max in the input dtype (exact; two bf16 / fp16 lanes per instruction)
+    lo = tl.min(tl.where(dmask[None, :], xr, float("inf")), 1).to(tl.float32)
+    hi = tl.max(tl.where(dmask[None, :], xr, float("-inf")), 1).to(tl.float32)
+    zero = _fp16_round(lo)
+    # `reference.minmax_encode`'s float32 steps, each rounded as torch rounds it: the scale is
+    # the range times RN(1 / LEVELS), then per row the IEEE reciprocal and the offset 0.5 -
+    # zero / scale, per element one multiply and one add (no division: it cost the kernel
+    # ~15% of its instructions); `_mul_rn` keeps the compiler from fusing them into an fma
+    sc = _fp16_round(tl.maximum((hi - zero) * (1.0 / LEVELS), 5.960464477539063e-08))
+    inv = _rcp_rn(sc)
+    off = 0.5 - _mul_rn(zero, inv)
+    if SAT and _ASM:  # `SAT_INDEX`
+        sb = 1.0 / (LEVELS + 1)
+        idx = _sat_index(xr.to(tl.float32), (inv * sb)[:, None], (off * sb)[:, None], BITS)
+    else:
+        idx = _floor_index(_mul_rn(xr.to(tl.float32), inv[:, None]) + off[:, None], LEVELS)
+    _pack_tile(pay_ptr, tokp, tok_ok, idx, 0, BITS, D, BT, DP, GS)
+    tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
+    tl.store(zr_ptr + tokp, zero.to(tl.float16), mask=tok_ok)
+
+
+@triton.jit
 def _store_side(
     x_ptr, stride_xt, t0, ld_ok, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
@@ -888,7 +928,7 @@ def _store_side(
         d = tl.arange(0, DP)
         dmask = d < D
         m2 = tok_ok[:, None] & dmask[None, :]
-        xr = tl.load(x_ptr + xrow[:, None] + d[None, :], mask=ld_ok[:, None] & dmask[None, :], other=0.0)
+        xr = _load_rows(x_ptr, stride_xt, t0, ld_ok, h, D, DP, BT)
         x = xr.to(tl.float32)
         if MODE == 0:
             tl.store(pay_ptr + tokp[:, None] * D + d[None, :], x.to(pay_ptr.dtype.element_ty), mask=m2)
@@ -905,26 +945,7 @@ def _store_side(
             q = tl.minimum(tl.maximum(x, -448.0), 448.0)
             tl.store(pay_ptr + tokp[:, None] * D + d[None, :], q.to(pay_ptr.dtype.element_ty), mask=m2)
         elif MODE == 2:
-            LEVELS: tl.constexpr = (1 << BITS) - 1
-            # row min / max in the input dtype (exact; two bf16 / fp16 lanes per instruction)
-            lo = tl.min(tl.where(dmask[None, :], xr, float("inf")), 1).to(tl.float32)
-            hi = tl.max(tl.where(dmask[None, :], xr, float("-inf")), 1).to(tl.float32)
-            zero = _fp16_round(lo)
-            # `reference.minmax_encode`'s float32 steps, each rounded as torch rounds it: the scale is
-            # the range times RN(1 / LEVELS), then per row the IEEE reciprocal and the offset 0.5 -
-            # zero / scale, per element one multiply and one add (no division: it cost the kernel
-            # ~15% of its instructions); `_mul_rn` keeps the compiler from fusing them into an fma
-            sc = _fp16_round(tl.maximum((hi - zero) * (1.0 / LEVELS), 5.960464477539063e-08))
-            inv = _rcp_rn(sc)
-            off = 0.5 - _mul_rn(zero, inv)
-            if SAT and _ASM:  # `SAT_INDEX`
-                sb = 1.0 / (LEVELS + 1)
-                idx = _sat_index(x, (inv * sb)[:, None], (off * sb)[:, None], BITS)
-            else:
-                idx = _floor_index(_mul_rn(x, inv[:, None]) + off[:, None], LEVELS)
-            _pack_tile(pay_ptr, tokp, tok_ok, idx, 0, BITS, D, BT, DP, GS)
-            tl.store(sc_ptr + tokp, sc.to(tl.float16), mask=tok_ok)
-            tl.store(zr_ptr + tokp, zero.to(tl.float16), mask=tok_ok)
+            _minmax_tile(xr, dmask, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS, D, BT, DP, GS, SAT)
         else:
             # dense rotation (block sizes the tiled Hadamard path does not cover), chunks of C columns, in
             # the reference's fixed point: z = xi @ S^T with S the +-1 / 0 matrix R scaled by sqrt(block)
@@ -980,31 +1001,41 @@ def _store_kv_kernel(
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr,
+    SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr, VT: tl.constexpr,
 ):  # fmt: skip
-    t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
-    t = t0 + tl.arange(0, BT)
-    slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
-    ok = slot >= 0
-    # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
-    # K / V rows load by t < T, not by the slot: the loads then need not wait for the slot mapping's (skipped
-    # tokens' rows are quantized and not written; every store is masked by the slot)
-    ld_ok = (t < T) if LOAD_BY_TOKEN else ok
-    slot = tl.where(ok, slot, 0).to(tl.uint32)
-    tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
     if SPLIT:  # `split_sides`: grid axis 2 picks the side, all key programs first (launch order)
         if tl.program_id(2) == 0:
+            t0 = tl.program_id(0) * BT
+            ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
             _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                         had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+        elif VT == 2:
+            # min-max values, two key programs' tiles per value program (`split_value_tiles`), both tiles' rows
+            # loaded before the first is stored (loads cannot move above stores: the pointers may alias);
+            # programs past the tokens' end have none
+            t0 = tl.program_id(0) * (2 * BT)
+            if t0 < T:
+                d = tl.arange(0, DP)
+                dmask = d < D
+                ld_a, ok_a, tokp_a = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
+                ld_b, ok_b, tokp_b = _rows(slot_ptr, T, t0 + BT, h, HKV, BS, BT, LOAD_BY_TOKEN)
+                xa = _load_rows(v_ptr, stride_vt, t0, ld_a, h, D, DP, BT)
+                xb = _load_rows(v_ptr, stride_vt, t0 + BT, ld_b, h, D, DP, BT)
+                _minmax_tile(xa, dmask, ok_a, tokp_a, vpay_ptr, vsc_ptr, vzr_ptr, VBITS, D, BT, DP, VGS, SAT)
+                _minmax_tile(xb, dmask, ok_b, tokp_b, vpay_ptr, vsc_ptr, vzr_ptr, VBITS, D, BT, DP, VGS, SAT)
         else:
+            t0 = tl.program_id(0) * BT
+            ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
             _store_side(v_ptr, stride_vt, t0, ld_ok, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                         had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
     else:
+        t0 = tl.program_id(0) * BT
+        ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
         _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                     had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
@@ -1013,6 +1044,21 @@ def _store_kv_kernel(
                     had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                     B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+
+
+@triton.jit
+def _rows(slot_ptr, T, t0, h, HKV: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr):
+    """Tokens [t0, t0 + BT): (whose K / V rows to load, whose pages to write, their page rows)."""
+    t = t0 + tl.arange(0, BT)
+    slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
+    ok = slot >= 0
+    # K / V rows load by t < T, not by the slot (`LOAD_BY_TOKEN`): the loads then need not wait for the slot
+    # mapping's (skipped tokens' rows are quantized and not written; every store is masked by the slot)
+    ld_ok = (t < T) if LOAD_BY_TOKEN else ok
+    # page-row index (page, head, offset) in int32 arithmetic, widened once for the byte offsets
+    slot = tl.where(ok, slot, 0).to(tl.uint32)
+    tokp = ((slot // BS) * (HKV * BS) + h * BS + slot % BS).to(tl.int64)
+    return ld_ok, ok, tokp
 
 
 def _cell_table(cb: torch.Tensor, bnd: torch.Tensor, margin: float = 0.05) -> tuple[torch.Tensor, int, int, float]:
@@ -1337,6 +1383,14 @@ def split_sides(plan: StorePlan) -> bool:
     return _tuned(plan) and (two or not _grouped(plan))
 
 
+def split_value_tiles(plan: StorePlan) -> int:
+    """Key programs' token tiles per value program where the sides split: `SPLIT_VALUE_TILES` (1 or 2) for
+    min-max values, else 1."""
+    if SPLIT_VALUE_TILES not in (1, 2):
+        raise ValueError(f"SPLIT_VALUE_TILES must be 1 or 2, got {SPLIT_VALUE_TILES}")
+    return SPLIT_VALUE_TILES if plan.sides[1][0] == MINMAX else 1
+
+
 def sign_mode(plan: StorePlan) -> int:
     """`_rot_tile`'s SIGNS: 1 at the load (`signs_at_load`), else 2 with `SIGN_XOR`, else 0."""
     return 1 if signs_at_load(plan) else 2 if SIGN_XOR else 0
@@ -1393,6 +1447,7 @@ def store_kv(
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
     split = split_sides(plan)
+    vt = split_value_tiles(plan) if split else 1
     grid = (triton.cdiv(T, bt), hkv, 2 if split else 1)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
@@ -1406,6 +1461,7 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN), num_warps=warps,
+        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN), VT=vt,
+        num_warps=warps,
         **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
