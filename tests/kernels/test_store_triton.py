@@ -292,29 +292,26 @@ def test_split_sides_rule(monkeypatch):
     assert all(store_triton.split_sides(plan) for plan in plans.values())
 
 
-@pytest.mark.parametrize("split,value_tiles", [(0, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("split", [0, 2])
 @pytest.mark.parametrize(
     "preset,dtype",
     [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.float32), ("turboquant_3bit_nc", torch.float16)],
 )
-def test_store_split_sides(preset, dtype, split, value_tiles, monkeypatch):
-    """Sides in one program or in two (`SPLIT_SIDES`, forced either way; min-max value programs of one or two
-    key programs' tiles, `SPLIT_VALUE_TILES`, 40 tokens: the last value program's second tile past the end):
-    the reference's page bits, skipped slots untouched (`_compare`: poisoned pages, every fifth slot -1)."""
+def test_store_split_sides(preset, dtype, split, monkeypatch):
+    """Sides in one program or in two (`SPLIT_SIDES`, forced either way): the reference's page bits, skipped
+    slots untouched (`_compare`: poisoned pages, every fifth slot -1)."""
     monkeypatch.setattr(store_triton, "SPLIT_SIDES", split)
-    monkeypatch.setattr(store_triton, "SPLIT_VALUE_TILES", value_tiles)
     _bit_identical_case(preset, 64, dtype, 40, seed=29)
     _compare(preset, 2, 64, 40, seed=31)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split,value_tiles", [(0, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("split", [0, 2])
 @pytest.mark.parametrize(
     "preset", ["turboquant_4bit_nc", "tq3", "tq4", "tq_k4v4_nc", "turboquant_3bit_nc", "turboquant_k8v4", "fp8", "auto"]
 )
-def test_store_split_sides_gpu(preset, split, value_tiles, monkeypatch):
+def test_store_split_sides_gpu(preset, split, monkeypatch):
     monkeypatch.setattr(store_triton, "SPLIT_SIDES", split)
-    monkeypatch.setattr(store_triton, "SPLIT_VALUE_TILES", value_tiles)
     if preset in ("fp8", "auto", "turboquant_k8v4"):
         _compare(preset, 8, 128, 3000, seed=37)
     else:

@@ -122,14 +122,12 @@ CMP_SIGN = 1
 #   tq4                76.96 -> 75.26, 72.99 -> 70.84
 # and slower for the one-side 3-bit launches (8 x 1): k3v4_nc 49.22 -> 52.74 (cap 72: 57.76), 3bit_nc 49.25 ->
 # 53.31. Key and value programs interleaved (even / odd program ids) were slower than keys first: 4bit_nc at
-# 64 registers 47.30 / 45.54, at 80 48.99 / 47.84.
+# 64 registers 47.30 / 45.54, at 80 48.99 / 47.84. Value programs of two key programs' tiles (both tiles' rows
+# loaded first) spill at 64 registers: 4bit_nc 45.54 -> 65.70, 41.93 -> 62.32.
 SPLIT_SIDES = 1
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
 LOAD_BY_TOKEN = 1
-# Where the sides split, each value program of min-max values stores this many (1 or 2) key programs' token
-# tiles, all rows loaded first (more bytes in flight per program: the value programs are memory-bound)
-SPLIT_VALUE_TILES = 1
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
 _CMP_PTX = (
@@ -1001,41 +999,23 @@ def _store_kv_kernel(
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr, VT: tl.constexpr,
+    SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr,
 ):  # fmt: skip
+    t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
+    ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
     if SPLIT:  # `split_sides`: grid axis 2 picks the side, all key programs first (launch order)
         if tl.program_id(2) == 0:
-            t0 = tl.program_id(0) * BT
-            ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
             _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                         had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
-        elif VT == 2:
-            # min-max values, two key programs' tiles per value program (`split_value_tiles`), both tiles' rows
-            # loaded before the first is stored (loads cannot move above stores: the pointers may alias);
-            # programs past the tokens' end have none
-            t0 = tl.program_id(0) * (2 * BT)
-            if t0 < T:
-                d = tl.arange(0, DP)
-                dmask = d < D
-                ld_a, ok_a, tokp_a = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
-                ld_b, ok_b, tokp_b = _rows(slot_ptr, T, t0 + BT, h, HKV, BS, BT, LOAD_BY_TOKEN)
-                xa = _load_rows(v_ptr, stride_vt, t0, ld_a, h, D, DP, BT)
-                xb = _load_rows(v_ptr, stride_vt, t0 + BT, ld_b, h, D, DP, BT)
-                _minmax_tile(xa, dmask, ok_a, tokp_a, vpay_ptr, vsc_ptr, vzr_ptr, VBITS, D, BT, DP, VGS, SAT)
-                _minmax_tile(xb, dmask, ok_b, tokp_b, vpay_ptr, vsc_ptr, vzr_ptr, VBITS, D, BT, DP, VGS, SAT)
         else:
-            t0 = tl.program_id(0) * BT
-            ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
             _store_side(v_ptr, stride_vt, t0, ld_ok, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                         had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
     else:
-        t0 = tl.program_id(0) * BT
-        ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
         _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                     had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
@@ -1383,14 +1363,6 @@ def split_sides(plan: StorePlan) -> bool:
     return _tuned(plan) and (two or not _grouped(plan))
 
 
-def split_value_tiles(plan: StorePlan) -> int:
-    """Key programs' token tiles per value program where the sides split: `SPLIT_VALUE_TILES` (1 or 2) for
-    min-max values, else 1."""
-    if SPLIT_VALUE_TILES not in (1, 2):
-        raise ValueError(f"SPLIT_VALUE_TILES must be 1 or 2, got {SPLIT_VALUE_TILES}")
-    return SPLIT_VALUE_TILES if plan.sides[1][0] == MINMAX else 1
-
-
 def sign_mode(plan: StorePlan) -> int:
     """`_rot_tile`'s SIGNS: 1 at the load (`signs_at_load`), else 2 with `SIGN_XOR`, else 0."""
     return 1 if signs_at_load(plan) else 2 if SIGN_XOR else 0
@@ -1447,7 +1419,6 @@ def store_kv(
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
     split = split_sides(plan)
-    vt = split_value_tiles(plan) if split else 1
     grid = (triton.cdiv(T, bt), hkv, 2 if split else 1)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
@@ -1461,7 +1432,7 @@ def store_kv(
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
-        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN), VT=vt,
+        SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN),
         num_warps=warps,
         **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
