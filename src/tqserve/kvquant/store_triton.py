@@ -120,10 +120,10 @@ CMP_SIGN = 1
 #   tq3                57.34 -> 55.49, 53.15 -> 51.19
 #   tq_k4v4_nc         62.94 -> 60.45, 58.58 -> 56.14
 #   tq4                76.96 -> 75.26, 72.99 -> 70.84
-# and slower for the one-side 3-bit launches (8 x 1): k3v4_nc 49.22 -> 52.74 (cap 72: 57.76), 3bit_nc 49.25 ->
-# 53.31. Key and value programs interleaved (even / odd program ids) were slower than keys first: 4bit_nc at
-# 64 registers 47.30 / 45.54, at 80 48.99 / 47.84. Value programs of two key programs' tiles (both tiles' rows
-# loaded first) spill at 64 registers: 4bit_nc 45.54 -> 65.70, 41.93 -> 62.32.
+# and slower for the one-side 3-bit launches (8 x 1): k3v4_nc 48.54 -> 49.98, 44.26 -> 46.12 (16 x 2 x 64: 59.68,
+# 56.26), 3bit_nc 48.64 -> 50.66, 44.21 -> 46.65. Key and value programs interleaved (even / odd program ids)
+# were slower than keys first: 4bit_nc at 64 registers 47.30 / 45.54, at 80 48.99 / 47.84. Value programs of two
+# key programs' tiles (both tiles' rows loaded first) spill at 64 registers: 4bit_nc 45.54 -> 65.70, 41.93 -> 62.32.
 SPLIT_SIDES = 1
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
