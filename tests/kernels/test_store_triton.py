@@ -311,6 +311,7 @@ def test_store_split_sides(preset, dtype, split, monkeypatch):
     "preset", ["turboquant_4bit_nc", "tq3", "tq4", "tq_k4v4_nc", "turboquant_3bit_nc", "turboquant_k8v4", "fp8", "auto"]
 )
 def test_store_split_sides_gpu(preset, split, monkeypatch):
+    """`test_store_split_sides` at real sizes, for every launch the rule can pick and pages without a codec."""
     monkeypatch.setattr(store_triton, "SPLIT_SIDES", split)
     if preset in ("fp8", "auto", "turboquant_k8v4"):
         _compare(preset, 8, 128, 3000, seed=37)

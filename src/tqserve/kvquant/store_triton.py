@@ -867,15 +867,6 @@ def _tq_side(
 
 
 @triton.jit
-def _load_rows(x_ptr, stride_xt, t0, ld_ok, h, D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr):
-    """Head h's rows of tokens [t0, t0 + BT), [BT, DP] in the input dtype (0 where not ld_ok or past D)."""
-    t = t0 + tl.arange(0, BT)
-    d = tl.arange(0, DP)
-    ptr = x_ptr + (t.to(tl.int64) * stride_xt + h * D)[:, None] + d[None, :]
-    return tl.load(ptr, mask=ld_ok[:, None] & (d < D)[None, :], other=0.0)
-
-
-@triton.jit
 def _minmax_tile(
     xr, dmask, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
     DP: tl.constexpr, GS: tl.constexpr, SAT: tl.constexpr,
@@ -926,7 +917,7 @@ def _store_side(
         d = tl.arange(0, DP)
         dmask = d < D
         m2 = tok_ok[:, None] & dmask[None, :]
-        xr = _load_rows(x_ptr, stride_xt, t0, ld_ok, h, D, DP, BT)
+        xr = tl.load(x_ptr + xrow[:, None] + d[None, :], mask=ld_ok[:, None] & dmask[None, :], other=0.0)
         x = xr.to(tl.float32)
         if MODE == 0:
             tl.store(pay_ptr + tokp[:, None] * D + d[None, :], x.to(pay_ptr.dtype.element_ty), mask=m2)
