@@ -114,7 +114,7 @@ CMP_SIGN = 1
 # Keys and values stored by separate programs of the one launch (grid axis 2 picks the side; CUDA starts the
 # programs of axis 2 = 0, the keys, first) instead of one program storing its tokens' keys, then their values:
 # 1 by `split_sides`' rule, 0 never, 2 every launch. A program then holds one side's registers: 4bit_nc's key
-# side builds at 64 without spills (16 programs per SM instead of 12; unsplit, 64 spills). H200, thirty-fifth
+# side builds at 64 without spills (16 programs per SM instead of 12; unsplit, it spills at 64). H200, thirty-fifth
 # session, `benchmarks/store_ab.py`, 16K tokens, 1 / 8 layers, us, unsplit -> split:
 #   4bit_nc (cap 64)   46.69 -> 45.66, 42.56 -> 42.10 (cap 80: 47.84, 44.10; cap 56: 48.83, 45.34)
 #   tq3                57.34 -> 55.49, 53.15 -> 51.19
@@ -1323,16 +1323,21 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     128; tq_k4v4_ub 0.0660 vs 0.0689 capped, 0.0689 at 8 x 1). Other head sizes and the gain search keep the
     earlier table: two TurboQuant sides at 64 x 4, everything else at 16 x 4 (presets without TurboQuant: 32 and
     64 no faster; the gain search, ~50 quantizations per element: tq4s 4.35 ms vs 4.88 at 64)."""
-    tq = [s for s in plan.sides if s[0] in (TQ, TQ_DENSE)]
+    tq = _tq_sides(plan)
     if _tuned(plan):  # (a tile plan means at least one TurboQuant side)
         if _grouped(plan):
-            return (8, 1, 128) if len(tq) == 2 else (8, 1, GROUPED_ONE_SIDE_MAXNREG)
-        if len(tq) == 2:
+            return (8, 1, 128) if tq == 2 else (8, 1, GROUPED_ONE_SIDE_MAXNREG)
+        if tq == 2:
             return 16, 2, None
         return 16, 2, SPLIT_ONE_SIDE_MAXNREG if split_sides(plan) else 80
-    if len(tq) == 2 and not plan.search:
+    if tq == 2 and not plan.search:
         return 64, 4, None
     return 16, 4, None
+
+
+def _tq_sides(plan: StorePlan) -> int:
+    """How many of the two sides are TurboQuant (tiled or dense)."""
+    return sum(side[0] in (TQ, TQ_DENSE) for side in plan.sides)
 
 
 def _tuned(plan: StorePlan) -> bool:
@@ -1350,8 +1355,7 @@ def split_sides(plan: StorePlan) -> bool:
     TurboQuant sides, or one whose codes do not cross words (4bit_nc); not one 3- or 5-bit side (8 x 1)."""
     if SPLIT_SIDES != 1:
         return bool(SPLIT_SIDES)
-    two = sum(s[0] in (TQ, TQ_DENSE) for s in plan.sides) == 2
-    return _tuned(plan) and (two or not _grouped(plan))
+    return _tuned(plan) and (_tq_sides(plan) == 2 or not _grouped(plan))
 
 
 def sign_mode(plan: StorePlan) -> int:
@@ -1364,8 +1368,7 @@ def signs_at_load(plan: StorePlan) -> bool:
     whose codes do not cross words, in the tuned 16 x 2 launch (the other launches ran slower with it)."""
     if SIGNS_AT_LOAD == 2:
         return plan.tiles is not None
-    one = sum(s[0] in (TQ, TQ_DENSE) for s in plan.sides) == 1
-    return bool(SIGNS_AT_LOAD) and _tuned(plan) and one and not _grouped(plan)
+    return bool(SIGNS_AT_LOAD) and _tuned(plan) and _tq_sides(plan) == 1 and not _grouped(plan)
 
 
 def store_kv(
