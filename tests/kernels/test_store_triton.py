@@ -320,6 +320,64 @@ def test_store_split_sides_gpu(preset, split, monkeypatch):
         _compare(preset, 8, 128, 3000, seed=37)
 
 
+def test_minmax_rows_rule(monkeypatch):
+    """`_minmax_rows` (`MINMAX_ROWS`): by default the value programs of split launches (4bit_nc); 2: every min-max
+    side of 2- or 4-bit codes at a power-of-two head size >= 32; never 3-bit codes, d = 80, or a TurboQuant side;
+    `MINMAX_ROWS_CONTIG` picks the column order."""
+
+    def rows(preset, d=128):
+        plan = StorePlan(make_layer_format(preset, 1, 8, d, torch.bfloat16), "cpu")
+        return [store_triton.minmax_rows(plan, side) for side in (0, 1)]
+
+    assert rows("turboquant_4bit_nc") == [0, 1]
+    assert rows("turboquant_k3v4_nc") == rows("turboquant_k8v4") == rows("turboquant_3bit_nc") == [0, 0]
+    assert rows("turboquant_4bit_nc", 256) == [0, 0]  # d = 256 does not split
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS", 2)
+    assert rows("turboquant_k3v4_nc") == rows("turboquant_k8v4") == rows("turboquant_4bit_nc", 256) == [0, 1]
+    assert rows("turboquant_3bit_nc") == rows("turboquant_4bit_nc", 80) == rows("tq3") == [0, 0]
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS_CONTIG", 1)
+    assert rows("turboquant_4bit_nc", 64) == [0, 2]
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS", 0)
+    assert rows("turboquant_4bit_nc") == [0, 0]
+
+
+@pytest.mark.parametrize("contig", [0, 1])
+@pytest.mark.parametrize(
+    "preset,d,dtype",
+    [
+        ("turboquant_4bit_nc", 64, torch.bfloat16),
+        ("turboquant_k8v4", 32, torch.float16),
+        ("turboquant_k3v4_nc", 64, torch.float32),
+    ],
+)
+def test_store_minmax_rows(preset, d, dtype, contig, monkeypatch):
+    """Min-max values in `_minmax_rows`' layout (forced on every such side, both column orders): the reference's
+    page bits on the stress rows, skipped slots untouched."""
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS", 2)
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS_CONTIG", contig)
+    _bit_identical_case(preset, d, dtype, 40, seed=41)
+    _compare(preset, 2, d, 40, seed=43)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("contig", [0, 1])
+@pytest.mark.parametrize(
+    "preset,dtype",
+    [
+        ("turboquant_4bit_nc", torch.bfloat16),
+        ("turboquant_k8v4", torch.float16),
+        ("turboquant_k3v4_nc", torch.float32),
+    ],
+)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_store_minmax_rows_gpu(preset, d, dtype, contig, monkeypatch):
+    """`test_store_minmax_rows` at real sizes, head sizes 64 / 128 / 256."""
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS", 2)
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS_CONTIG", contig)
+    _bit_identical_case(preset, d, dtype, 20000, seed=47)
+    _compare(preset, 8, d, 3000, seed=47)
+
+
 def test_compare_ptx_boundaries():
     """The 2-bit sides' compare block holds each boundary's exact float32 bits, in order, one subtraction
     each; the tables of 2-bit sides carry it, wider ones do not."""

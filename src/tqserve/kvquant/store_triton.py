@@ -128,6 +128,11 @@ SPLIT_SIDES = 1
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
 LOAD_BY_TOKEN = 1
+# Min-max sides of 2- or 4-bit codes in `_minmax_rows`' layout (one row per thread group of 4, the min / max
+# reduced in registers but for two shuffle stages) instead of `_minmax_tile`'s: 1 where the sides split (the value
+# programs then have the layout to themselves), 2 every such side, 0 never
+MINMAX_ROWS = 1
+MINMAX_ROWS_CONTIG = 0
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
 _CMP_PTX = (
@@ -895,6 +900,76 @@ def _minmax_tile(
 
 
 @triton.jit
+def _minimum(a, b):
+    """min(a, b) in a and b's own float dtype (`tl.minimum` widens 16-bit floats to float32 first)."""
+    if _ASM and a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("min.bf16 $0, $1, $2;", "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
+    elif _ASM and a.dtype == tl.float16:
+        return tl.inline_asm_elementwise("min.f16 $0, $1, $2;", "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
+    else:
+        return tl.minimum(a, b)
+
+
+@triton.jit
+def _maximum(a, b):
+    """max(a, b) in a and b's own float dtype."""
+    if _ASM and a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("max.bf16 $0, $1, $2;", "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
+    elif _ASM and a.dtype == tl.float16:
+        return tl.inline_asm_elementwise("max.f16 $0, $1, $2;", "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
+    else:
+        return tl.maximum(a, b)
+
+
+@triton.jit
+def _minmax_rows(
+    x_ptr, xrow, ld_ok, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS: tl.constexpr, D: tl.constexpr,
+    BT: tl.constexpr, SAT: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """`_minmax_tile` in the row-group layout (`MINMAX_ROWS`): the rows as [4, BT, D / 32, 8], column 8 k + 32 j
+    + e at (k, t, j, e). Triton's layout for it (sm_90, Triton 3.6) spreads the threads over (k, t) and keeps j
+    and e in registers, so a thread holds 8 columns of each of the D / 32 column blocks of ONE row, and each load
+    instruction reads 64 contiguous bytes per row. The row min / max is then in-thread but for two shuffle stages,
+    and the per-row scalars are computed once per thread (`_minmax_tile`'s [BT, D] layout gives a thread 4 rows of
+    8 columns: four shuffle stages per row for each of min and max, every per-row scalar 4 times). The 8 codes of
+    (k, j) are word k + 4 j of the page row. Same per-element arithmetic as `_minmax_tile`."""
+    NJ: tl.constexpr = D // 32
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    k = tl.arange(0, 4)[:, None, None, None]
+    j = tl.arange(0, NJ)[None, None, :, None]
+    e = tl.arange(0, 8)[None, None, None, :]
+    # ROWS == 2: thread k holds columns [D k / 4, D (k + 1) / 4) (its words one store; each load instruction
+    # reads 16 bytes every D / 2 per row) instead of 8 k + 32 j + e (64 contiguous bytes per row and instruction)
+    col = (D // 4) * k + 8 * j + e if ROWS == 2 else 8 * k + 32 * j + e
+    xr = tl.load(x_ptr + xrow[None, :, None, None] + col, mask=ld_ok[None, :, None, None], other=0.0)
+    # the row min / max in the input dtype (exact; `tl.min` widens 16-bit floats to float32 first: one element per
+    # instruction, where min.bf16x2 takes two); the interpreter reduces them in float32
+    xm = xr if _ASM else xr.to(tl.float32)
+    lo = tl.reduce(tl.reduce(tl.reduce(xm, 3, _minimum), 2, _minimum), 0, _minimum).to(tl.float32)  # [BT]
+    hi = tl.reduce(tl.reduce(tl.reduce(xm, 3, _maximum), 2, _maximum), 0, _maximum).to(tl.float32)
+    zero = _fp16_round(lo)
+    sc = _fp16_round(tl.maximum((hi - zero) * (1.0 / LEVELS), 5.960464477539063e-08))
+    inv = _rcp_rn(sc)
+    off = 0.5 - _mul_rn(zero, inv)
+    x = xr.to(tl.float32)
+    if SAT and _ASM:  # `SAT_INDEX`
+        sb = 1.0 / (LEVELS + 1)
+        idx = _sat_index(x, (inv * sb)[None, :, None, None], (off * sb)[None, :, None, None], BITS)
+    else:
+        idx = _floor_index(_mul_rn(x, inv[None, :, None, None]) + off[None, :, None, None], LEVELS)
+    word = tl.sum(idx << (e * BITS), 3)  # [4, BT, NJ]: codes at stream bits BITS * e of word k + 4 j
+    kk = tl.arange(0, 4)[:, None, None]
+    jj = tl.arange(0, NJ)[None, None, :]
+    wp = pay_ptr + tokp[None, :, None] * (D // 8) + (NJ * kk + jj if ROWS == 2 else kk + 4 * jj)
+    tl.store(wp, word.to(pay_ptr.dtype.element_ty), mask=tok_ok[None, :, None])
+    # the row's scalars from thread k = 0 of its four, where they already are (no layout conversion)
+    k2 = tl.arange(0, 4)[:, None]
+    m = tok_ok[None, :] & (k2 == 0)
+    tl.store(sc_ptr + tokp[None, :] + 0 * k2, tl.broadcast_to(sc.to(tl.float16)[None, :], (4, BT)), mask=m)
+    tl.store(zr_ptr + tokp[None, :] + 0 * k2, tl.broadcast_to(zero.to(tl.float16)[None, :], (4, BT)), mask=m)
+
+
+@triton.jit
 def _store_side(
     x_ptr, stride_xt, t0, ld_ok, tok_ok, tokp, h, pay_ptr, sc_ptr, zr_ptr, tab_ptr, rot_ptr, had_ptr,
     gain_ptr, MODE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, SCALE_MODE: tl.constexpr,
@@ -905,7 +980,7 @@ def _store_side(
     W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr,
+    SAT: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     t = t0 + tl.arange(0, BT)
     xrow = t.to(tl.int64) * stride_xt + h * D
@@ -913,6 +988,8 @@ def _store_side(
         _tq_side(x_ptr, xrow, ld_ok, tok_ok, tokp, pay_ptr, sc_ptr, tab_ptr, had_ptr, gain_ptr,
                  BITS, SCALE_MODE, GS, NCELL, HALFC, CS, LUT, CMP, LANES, SEARCH, NGAIN, NSPLIT, D, BT, W, G0, NT,
                  O1, W1, O2, W2, O3, W3, B0, B1, B2, B3, SIGNS)  # fmt: skip
+    elif MODE == 2 and ROWS:
+        _minmax_rows(x_ptr, xrow, ld_ok, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS, D, BT, SAT, ROWS)
     else:
         d = tl.arange(0, DP)
         dmask = d < D
@@ -990,7 +1067,7 @@ def _store_kv_kernel(
     NSPLIT: tl.constexpr, W: tl.constexpr, G0: tl.constexpr, NT: tl.constexpr, O1: tl.constexpr, W1: tl.constexpr,
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
-    SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr,
+    SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr, KROWS: tl.constexpr, VROWS: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
@@ -1000,21 +1077,21 @@ def _store_kv_kernel(
             _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                         had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                        B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+                        B0, B1, B2, B3, SIGNS, SAT, KROWS)  # fmt: skip
         else:
             _store_side(v_ptr, stride_vt, t0, ld_ok, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                         had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                        B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+                        B0, B1, B2, B3, SIGNS, SAT, VROWS)  # fmt: skip
     else:
         _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                     had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                    B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+                    B0, B1, B2, B3, SIGNS, SAT, KROWS)  # fmt: skip
         _store_side(v_ptr, stride_vt, t0, ld_ok, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                     had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
-                    B0, B1, B2, B3, SIGNS, SAT)  # fmt: skip
+                    B0, B1, B2, B3, SIGNS, SAT, VROWS)  # fmt: skip
 
 
 @triton.jit
@@ -1358,6 +1435,16 @@ def split_sides(plan: StorePlan) -> bool:
     return _tuned(plan) and (_tq_sides(plan) == 2 or not _grouped(plan))
 
 
+def minmax_rows(plan: StorePlan, side: int) -> int:
+    """`_minmax_rows`' ROWS for one side (0: `_minmax_tile`; `MINMAX_ROWS`): min-max codes of 2 or 4 bits (8 per
+    16- / 32-bit word) at a head size that is a power of two of at least 32; 2 with `MINMAX_ROWS_CONTIG`."""
+    mode, bits, *_ = plan.sides[side]
+    d = plan.head_dim
+    ok = mode == MINMAX and plan.group[side] == 0 and bits in (2, 4) and d >= 32 and d & (d - 1) == 0
+    ok = ok and (MINMAX_ROWS == 2 or (MINMAX_ROWS == 1 and split_sides(plan)))
+    return (2 if MINMAX_ROWS_CONTIG else 1) if ok else 0
+
+
 def sign_mode(plan: StorePlan) -> int:
     """`_rot_tile`'s SIGNS: 1 at the load (`signs_at_load`), else 2 with `SIGN_XOR`, else 0."""
     return 1 if signs_at_load(plan) else 2 if SIGN_XOR else 0
@@ -1427,6 +1514,7 @@ def store_kv(
         W=w, G0=g0, NT=nt, O1=rest[0][0], W1=rest[0][1], O2=rest[1][0], W2=rest[1][1],
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
         SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN),
+        KROWS=minmax_rows(plan, 0), VROWS=minmax_rows(plan, 1),
         num_warps=warps,
         **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
