@@ -321,24 +321,27 @@ def test_store_split_sides_gpu(preset, split, monkeypatch):
 
 
 def test_minmax_rows_rule(monkeypatch):
-    """`_minmax_rows` (`MINMAX_ROWS`): by default the value programs of split launches (4bit_nc); 2: every min-max
-    side of 2- or 4-bit codes at a power-of-two head size >= 32; never 3-bit codes, d = 80, or a TurboQuant side;
-    `MINMAX_ROWS_CONTIG` picks the column order."""
+    """`_minmax_rows` (`MINMAX_ROWS`): by default the min-max sides of the tuned launches (a TurboQuant key side at
+    d <= 128): 2- or 4-bit codes at a power-of-two head size >= 32, 3-bit codes at d % 128 == 0 in the contiguous
+    column order (`MINMAX_ROWS_CONTIG`) only; 2: every such side (fp8 keys, d = 256); never a TurboQuant side."""
 
     def rows(preset, d=128):
         plan = StorePlan(make_layer_format(preset, 1, 8, d, torch.bfloat16), "cpu")
         return [store_triton.minmax_rows(plan, side) for side in (0, 1)]
 
-    assert rows("turboquant_4bit_nc") == [0, 1]
-    assert rows("turboquant_k3v4_nc") == rows("turboquant_k8v4") == rows("turboquant_3bit_nc") == [0, 0]
-    assert rows("turboquant_4bit_nc", 256) == [0, 0]  # d = 256 does not split
-    monkeypatch.setattr(store_triton, "MINMAX_ROWS", 2)
-    assert rows("turboquant_k3v4_nc") == rows("turboquant_k8v4") == rows("turboquant_4bit_nc", 256) == [0, 1]
-    assert rows("turboquant_3bit_nc") == rows("turboquant_4bit_nc", 80) == rows("tq3") == [0, 0]
-    monkeypatch.setattr(store_triton, "MINMAX_ROWS_CONTIG", 1)
+    assert rows("turboquant_4bit_nc") == rows("turboquant_k3v4_nc") == rows("turboquant_3bit_nc") == [0, 2]
     assert rows("turboquant_4bit_nc", 64) == [0, 2]
+    assert rows("turboquant_k8v4") == rows("turboquant_4bit_nc", 256) == rows("tq3") == [0, 0]
+    assert rows("turboquant_3bit_nc", 64) == rows("turboquant_4bit_nc", 80) == [0, 0]
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS", 2)
+    assert rows("turboquant_k8v4") == rows("turboquant_4bit_nc", 256) == rows("turboquant_3bit_nc", 256) == [0, 2]
+    assert rows("turboquant_3bit_nc", 64) == rows("turboquant_4bit_nc", 80) == rows("tq3") == [0, 0]
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS_CONTIG", 0)
+    assert rows("turboquant_4bit_nc") == [0, 1]
+    assert rows("turboquant_3bit_nc") == [0, 0]  # 3-bit codes: the contiguous order only
     monkeypatch.setattr(store_triton, "MINMAX_ROWS", 0)
-    assert rows("turboquant_4bit_nc") == [0, 0]
+    monkeypatch.setattr(store_triton, "MINMAX_ROWS_CONTIG", 1)
+    assert rows("turboquant_4bit_nc") == rows("turboquant_3bit_nc") == [0, 0]
 
 
 @pytest.mark.parametrize("contig", [0, 1])
@@ -348,13 +351,16 @@ def test_minmax_rows_rule(monkeypatch):
         ("turboquant_4bit_nc", 64, torch.bfloat16),
         ("turboquant_k8v4", 32, torch.float16),
         ("turboquant_k3v4_nc", 64, torch.float32),
+        ("turboquant_3bit_nc", 128, torch.bfloat16),
     ],
 )
 def test_store_minmax_rows(preset, d, dtype, contig, monkeypatch):
-    """Min-max values in `_minmax_rows`' layout (forced on every such side, both column orders): the reference's
-    page bits on the stress rows, skipped slots untouched."""
+    """Min-max values in `_minmax_rows`' layout (forced on every such side, both column orders; 3-bit codes take the
+    contiguous one): the reference's page bits on the stress rows, skipped slots untouched."""
     monkeypatch.setattr(store_triton, "MINMAX_ROWS", 2)
     monkeypatch.setattr(store_triton, "MINMAX_ROWS_CONTIG", contig)
+    plan = StorePlan(make_layer_format(preset, 1, 2, d, dtype), "cpu")
+    assert store_triton.minmax_rows(plan, 1) == (0 if "3bit" in preset and not contig else 1 + contig)
     _bit_identical_case(preset, d, dtype, 40, seed=41)
     _compare(preset, 2, d, 40, seed=43)
 
@@ -367,6 +373,7 @@ def test_store_minmax_rows(preset, d, dtype, contig, monkeypatch):
         ("turboquant_4bit_nc", torch.bfloat16),
         ("turboquant_k8v4", torch.float16),
         ("turboquant_k3v4_nc", torch.float32),
+        ("turboquant_3bit_nc", torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -376,6 +383,27 @@ def test_store_minmax_rows_gpu(preset, d, dtype, contig, monkeypatch):
     monkeypatch.setattr(store_triton, "MINMAX_ROWS_CONTIG", contig)
     _bit_identical_case(preset, d, dtype, 20000, seed=47)
     _compare(preset, 8, d, 3000, seed=47)
+
+
+@pytest.mark.parametrize("order", [2, 3])
+@pytest.mark.parametrize("preset,dtype", [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.float16)])
+def test_store_split_order(preset, dtype, order, monkeypatch):
+    """Split launches with the value programs first or interleaved with the key programs (`SPLIT_ORDER`): the
+    reference's page bits, skipped slots untouched."""
+    monkeypatch.setattr(store_triton, "SPLIT_SIDES", 2)
+    monkeypatch.setattr(store_triton, "SPLIT_ORDER", order)
+    _bit_identical_case(preset, 64, dtype, 40, seed=53)
+    _compare(preset, 2, 64, 40, seed=59)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", [1, 2, 3])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "tq_k4v4_nc"])
+def test_store_split_order_gpu(preset, order, monkeypatch):
+    """`test_store_split_order` at real sizes."""
+    monkeypatch.setattr(store_triton, "SPLIT_ORDER", order)
+    _bit_identical_case(preset, 128, torch.bfloat16, 20000, seed=61)
+    _compare(preset, 8, 128, 3000, seed=61)
 
 
 def test_compare_ptx_boundaries():

@@ -125,6 +125,8 @@ CMP_SIGN = 1
 # were slower than keys first: 4bit_nc at 64 registers 47.30 / 45.54, at 80 48.99 / 47.84. Value programs of two
 # key programs' tiles (both tiles' rows loaded first) spill at 64 registers: 4bit_nc 45.54 -> 65.70, 41.93 -> 62.32.
 SPLIT_SIDES = 1
+# Split launches' program order: 1 every key program before the first value program, 2 values first, 3 interleaved
+SPLIT_ORDER = 1
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
 LOAD_BY_TOKEN = 1
@@ -132,7 +134,7 @@ LOAD_BY_TOKEN = 1
 # reduced in registers but for two shuffle stages) instead of `_minmax_tile`'s: 1 where the sides split (the value
 # programs then have the layout to themselves), 2 every such side, 0 never
 MINMAX_ROWS = 1
-MINMAX_ROWS_CONTIG = 0
+MINMAX_ROWS_CONTIG = 1
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
 _CMP_PTX = (
@@ -957,11 +959,25 @@ def _minmax_rows(
         idx = _sat_index(x, (inv * sb)[None, :, None, None], (off * sb)[None, :, None, None], BITS)
     else:
         idx = _floor_index(_mul_rn(x, inv[None, :, None, None]) + off[None, :, None, None], LEVELS)
-    word = tl.sum(idx << (e * BITS), 3)  # [4, BT, NJ]: codes at stream bits BITS * e of word k + 4 j
-    kk = tl.arange(0, 4)[:, None, None]
-    jj = tl.arange(0, NJ)[None, None, :]
-    wp = pay_ptr + tokp[None, :, None] * (D // 8) + (NJ * kk + jj if ROWS == 2 else kk + 4 * jj)
-    tl.store(wp, word.to(pay_ptr.dtype.element_ty), mask=tok_ok[None, :, None])
+    group = tl.sum(idx << (e * BITS), 3)  # [4, BT, NJ]: the 8 codes of (k, j), code e at bit BITS * e
+    if BITS == 3:
+        # ROWS == 2, D % 128 == 0: thread k's 3 NJ bytes are 3 NJ / 4 words of the page row from word 3 NJ k / 4
+        # on; each 4 groups (96 bits) make 3 words
+        NU: tl.constexpr = NJ // 4
+        ev, od = tl.split(tl.reshape(group, (4, BT, NU, 2, 2)))
+        g0, g2 = tl.split(ev)
+        g1, g3 = tl.split(od)
+        base = pay_ptr + tokp[None, :, None] * (3 * D // 32) + (3 * NU * tl.arange(0, 4))[:, None, None]
+        base += 3 * tl.arange(0, NU)[None, None, :]
+        for w in tl.static_range(3):
+            word = _group_bits(g0, 0, w, 3) | _group_bits(g1, 1, w, 3)
+            word = word | _group_bits(g2, 2, w, 3) | _group_bits(g3, 3, w, 3)
+            tl.store(base + w, word.to(pay_ptr.dtype.element_ty), mask=tok_ok[None, :, None])
+    else:
+        kk = tl.arange(0, 4)[:, None, None]
+        jj = tl.arange(0, NJ)[None, None, :]
+        wp = pay_ptr + tokp[None, :, None] * (D // 8) + (NJ * kk + jj if ROWS == 2 else kk + 4 * jj)
+        tl.store(wp, group.to(pay_ptr.dtype.element_ty), mask=tok_ok[None, :, None])
     # the row's scalars from thread k = 0 of its four, where they already are (no layout conversion)
     k2 = tl.arange(0, 4)[:, None]
     m = tok_ok[None, :] & (k2 == 0)
@@ -1069,11 +1085,18 @@ def _store_kv_kernel(
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
     SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr, KROWS: tl.constexpr, VROWS: tl.constexpr,
 ):  # fmt: skip
-    t0 = tl.program_id(0) * BT
+    # `split_sides`, `SPLIT_ORDER`: SPLIT 1 / 2: grid axis 2 picks the side, CUDA starting the key (1) or the value
+    # (2) programs first; 3: axis 0 holds 2 programs per token tile, keys and values interleaved
+    if SPLIT == 3:
+        t0 = (tl.program_id(0) // 2) * BT
+        side = tl.program_id(0) % 2
+    else:
+        t0 = tl.program_id(0) * BT
+        side = tl.program_id(2) if SPLIT != 2 else 1 - tl.program_id(2)
     h = tl.program_id(1)
     ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
-    if SPLIT:  # `split_sides`: grid axis 2 picks the side, all key programs first (launch order)
-        if tl.program_id(2) == 0:
+    if SPLIT:
+        if side == 0:
             _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                         had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
@@ -1440,8 +1463,11 @@ def minmax_rows(plan: StorePlan, side: int) -> int:
     16- / 32-bit word) at a head size that is a power of two of at least 32; 2 with `MINMAX_ROWS_CONTIG`."""
     mode, bits, *_ = plan.sides[side]
     d = plan.head_dim
-    ok = mode == MINMAX and plan.group[side] == 0 and bits in (2, 4) and d >= 32 and d & (d - 1) == 0
-    ok = ok and (MINMAX_ROWS == 2 or (MINMAX_ROWS == 1 and split_sides(plan)))
+    words = plan.group[side] == 0 and bits in (2, 4)  # 8 codes per 16- / 32-bit word
+    # 3-bit codes in words of 32 bits, thread k's 32 D / 128 columns whole groups of four 24-bit groups
+    groups = plan.group[side] == 32 and bits == 3 and MINMAX_ROWS_CONTIG and d % 128 == 0
+    ok = mode == MINMAX and (words or groups) and d >= 32 and d & (d - 1) == 0
+    ok = ok and (MINMAX_ROWS == 2 or (MINMAX_ROWS == 1 and _tuned(plan)))
     return (2 if MINMAX_ROWS_CONTIG else 1) if ok else 0
 
 
@@ -1499,8 +1525,8 @@ def store_kv(
         w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
-    split = split_sides(plan)
-    grid = (triton.cdiv(T, bt), hkv, 2 if split else 1)
+    split = SPLIT_ORDER if split_sides(plan) else 0
+    grid = (triton.cdiv(T, bt) * (2 if split == 3 else 1), hkv, 2 if split in (1, 2) else 1)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
