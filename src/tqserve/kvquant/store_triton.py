@@ -127,6 +127,9 @@ CMP_SIGN = 1
 SPLIT_SIDES = 1
 # Split launches' program order: 1 every key program before the first value program, 2 values first, 3 interleaved
 SPLIT_ORDER = 1
+# Split launches (keys first or values first) whose values take `_minmax_rows`: token tiles per value program (the
+# programs of the other tiles' values return at once)
+SPLIT_VALUE_TILES = 1
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
 LOAD_BY_TOKEN = 1
@@ -935,15 +938,31 @@ def _minmax_rows(
     and the per-row scalars are computed once per thread (`_minmax_tile`'s [BT, D] layout gives a thread 4 rows of
     8 columns: four shuffle stages per row for each of min and max, every per-row scalar 4 times). The 8 codes of
     (k, j) are word k + 4 j of the page row. Same per-element arithmetic as `_minmax_tile`."""
-    NJ: tl.constexpr = D // 32
-    LEVELS: tl.constexpr = (1 << BITS) - 1
+    xr = _minmax_rows_load(x_ptr, xrow, ld_ok, D, ROWS)
+    _minmax_rows_out(xr, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS, D, BT, SAT, ROWS)
+
+
+@triton.jit
+def _minmax_rows_load(x_ptr, xrow, ld_ok, D: tl.constexpr, ROWS: tl.constexpr):
+    """`_minmax_rows`' [4, BT, D / 32, 8] tile of the rows xrow (input dtype; rows where ld_ok is false: 0)."""
     k = tl.arange(0, 4)[:, None, None, None]
-    j = tl.arange(0, NJ)[None, None, :, None]
+    j = tl.arange(0, D // 32)[None, None, :, None]
     e = tl.arange(0, 8)[None, None, None, :]
     # ROWS == 2: thread k holds columns [D k / 4, D (k + 1) / 4) (its words one store; each load instruction
     # reads 16 bytes every D / 2 per row) instead of 8 k + 32 j + e (64 contiguous bytes per row and instruction)
     col = (D // 4) * k + 8 * j + e if ROWS == 2 else 8 * k + 32 * j + e
-    xr = tl.load(x_ptr + xrow[None, :, None, None] + col, mask=ld_ok[None, :, None, None], other=0.0)
+    return tl.load(x_ptr + xrow[None, :, None, None] + col, mask=ld_ok[None, :, None, None], other=0.0)
+
+
+@triton.jit
+def _minmax_rows_out(
+    xr, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+    SAT: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """`_minmax_rows`' codes, scales and zeros of the tile xr, written where tok_ok."""
+    NJ: tl.constexpr = D // 32
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    e = tl.arange(0, 8)[None, None, None, :]
     # the row min / max in the input dtype (exact; `tl.min` widens 16-bit floats to float32 first: one element per
     # instruction, where min.bf16x2 takes two); the interpreter reduces them in float32
     xm = xr if _ASM else xr.to(tl.float32)
@@ -1084,6 +1103,7 @@ def _store_kv_kernel(
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
     SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr, KROWS: tl.constexpr, VROWS: tl.constexpr,
+    VTILES: tl.constexpr,
 ):  # fmt: skip
     # `split_sides`, `SPLIT_ORDER`: SPLIT 1 / 2: grid axis 2 picks the side, CUDA starting the key (1) or the value
     # (2) programs first; 3: axis 0 holds 2 programs per token tile, keys and values interleaved
@@ -1094,19 +1114,30 @@ def _store_kv_kernel(
         t0 = tl.program_id(0) * BT
         side = tl.program_id(2) if SPLIT != 2 else 1 - tl.program_id(2)
     h = tl.program_id(1)
-    ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
     if SPLIT:
         if side == 0:
+            ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
             _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                         had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT, KROWS)  # fmt: skip
+        elif VTILES == 2:  # `SPLIT_VALUE_TILES`: the value program of two token tiles, both tiles' rows loaded first
+            if tl.program_id(0) % 2 == 0:
+                ld0, ok0, tp0 = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
+                ld1, ok1, tp1 = _rows(slot_ptr, T, t0 + BT, h, HKV, BS, BT, LOAD_BY_TOKEN)
+                t = t0 + tl.arange(0, BT)
+                x0 = _minmax_rows_load(v_ptr, t.to(tl.int64) * stride_vt + h * D, ld0, D, VROWS)
+                x1 = _minmax_rows_load(v_ptr, (t + BT).to(tl.int64) * stride_vt + h * D, ld1, D, VROWS)
+                _minmax_rows_out(x0, ok0, tp0, vpay_ptr, vsc_ptr, vzr_ptr, VBITS, D, BT, SAT, VROWS)
+                _minmax_rows_out(x1, ok1, tp1, vpay_ptr, vsc_ptr, vzr_ptr, VBITS, D, BT, SAT, VROWS)
         else:
+            ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
             _store_side(v_ptr, stride_vt, t0, ld_ok, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
                         had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT, VROWS)  # fmt: skip
     else:
+        ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
         _store_side(k_ptr, stride_kt, t0, ld_ok, ok, tokp, h, kpay_ptr, ksc_ptr, kzr_ptr, ktab_ptr, rot_ptr,
                     had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
@@ -1541,6 +1572,7 @@ def store_kv(
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
         SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN),
         KROWS=minmax_rows(plan, 0), VROWS=minmax_rows(plan, 1),
+        VTILES=SPLIT_VALUE_TILES if split in (1, 2) and minmax_rows(plan, 1) else 1,
         num_warps=warps,
         **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
