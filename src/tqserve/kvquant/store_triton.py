@@ -137,6 +137,9 @@ LOAD_BY_TOKEN = 1
 # reduced in registers but for two shuffle stages) instead of `_minmax_tile`'s: 1 where the sides split (the value
 # programs then have the layout to themselves), 2 every such side, 0 never
 MINMAX_ROWS = 1
+# Half-group code words (`HALF_GROUPS`) stored by inline PTX from the MMA-derived layout they are packed in
+# (`_st_where`) instead of `tl.store`'s trip through shared memory (read when the module loads)
+ASM_STORE = tl.constexpr(int(os.environ.get("TQ_ASM_STORE", "1")))
 MINMAX_ROWS_CONTIG = 1
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
@@ -299,6 +302,24 @@ def _half_cols(k, GS: tl.constexpr):
 
 
 @triton.jit
+def _st_where(ptr, val, mask):
+    """tl.store(ptr, val, mask=mask) of 16- or 32-bit values as inline PTX, in val's own layout: `tl.store` moves
+    the values of an MMA-derived layout to a coalescing one through shared memory first (a store, a barrier, a
+    load and a barrier per call), where each thread's own few words can go out directly."""
+    z = tl.zeros(val.shape, dtype=tl.int32)
+    if val.dtype.primitive_bitwidth == 16:
+        tl.inline_asm_elementwise(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b16 [$1], $2;\nmov.b32 $0, 0;\n}",
+            "=r,l,h,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        tl.inline_asm_elementwise(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b32 [$1], $2;\nmov.b32 $0, 0;\n}",
+            "=r,l,r,r", [ptr, val, mask.to(tl.int32) + z], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _pack_tile(
     pay_ptr,
     tokp,
@@ -337,7 +358,11 @@ def _pack_tile(
         w = tl.sum(i3 << (tl.arange(0, 4) * BITS)[None, None, :], 2)
         g = col0 // 4 + tl.arange(0, W // 4)
         m = tok_ok[:, None] & (g[None, :] < D // 4)
-        tl.store(pay_ptr + tokp[:, None] * (D // 4) + g[None, :], w.to(pay_ptr.dtype.element_ty), mask=m)
+        wp = pay_ptr + tokp[:, None] * (D // 4) + g[None, :]
+        if ASM_STORE and _ASM:
+            _st_where(wp, w.to(pay_ptr.dtype.element_ty), m)
+        else:
+            tl.store(wp, w.to(pay_ptr.dtype.element_ty), mask=m)
     elif GS == 0:
         G: tl.constexpr = W // 8
         g = col0 // 8 + tl.arange(0, G)
@@ -573,7 +598,11 @@ def _tq_scale_store(n, a, sc_ptr, tokp, tok_ok, SCALE_MODE: tl.constexpr):
         sc = tl.math.div_rn(n, tl.maximum(tl.sqrt_rn(a), 1e-30))
     else:
         sc = tl.math.div_rn(n, tl.maximum(a, 1e-30))
-    tl.store(sc_ptr + tokp, tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16), mask=tok_ok)
+    sc16 = tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16)
+    if ASM_STORE and _ASM:  # from the layout the scale is in (threads holding the same row store the same bits)
+        _st_where((sc_ptr + tokp).to(tl.pointer_type(tl.int16)), sc16.to(tl.int16, bitcast=True), tok_ok)
+    else:
+        tl.store(sc_ptr + tokp, sc16, mask=tok_ok)
 
 
 @triton.jit
