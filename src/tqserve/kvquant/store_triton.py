@@ -303,16 +303,22 @@ def _half_cols(k, GS: tl.constexpr):
 
 @triton.jit
 def _st_where(ptr, val, mask):
-    """tl.store(ptr, val, mask=mask) of 16- or 32-bit values as inline PTX, in val's own layout: `tl.store` moves
+    """tl.store(ptr, val, mask=mask) of 8-, 16- or 32-bit values as inline PTX, in val's own layout: `tl.store` moves
     the values of an MMA-derived layout to a coalescing one through shared memory first (a store, a barrier, a
     load and a barrier per call), where each thread's own few words can go out directly."""
     z = tl.zeros(val.shape, dtype=tl.int32)
-    if val.dtype.primitive_bitwidth == 16:
+    if val.dtype.primitive_bitwidth == 8:  # st.b8 stores the low byte of a 16-bit register
+        tl.inline_asm_elementwise(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b8 [$1], $2;\nmov.b32 $0, 0;\n}",
+            "=r,l,h,r", [ptr, val.to(tl.int16), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    elif val.dtype.primitive_bitwidth == 16:
         tl.inline_asm_elementwise(
             "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b16 [$1], $2;\nmov.b32 $0, 0;\n}",
             "=r,l,h,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
     else:
+        tl.static_assert(val.dtype.primitive_bitwidth == 32)
         tl.inline_asm_elementwise(
             "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b32 [$1], $2;\nmov.b32 $0, 0;\n}",
             "=r,l,r,r", [ptr, val, mask.to(tl.int32) + z], dtype=tl.int32, is_pure=False, pack=1,
