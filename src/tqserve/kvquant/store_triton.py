@@ -137,8 +137,12 @@ LOAD_BY_TOKEN = 1
 # reduced in registers but for two shuffle stages) instead of `_minmax_tile`'s: 1 where the sides split (the value
 # programs then have the layout to themselves), 2 every such side, 0 never
 MINMAX_ROWS = 1
-# Half-group code words (`HALF_GROUPS`) stored by inline PTX from the MMA-derived layout they are packed in
-# (`_st_where`) instead of `tl.store`'s trip through shared memory (read when the module loads)
+# Half-group 16-bit code words (`HALF_GROUPS`, 4-bit codes) and their side's scales stored by inline PTX from the
+# MMA-derived layout they are in (`_st_where`) instead of `tl.store`'s trip through shared memory (read when the
+# module loads). H200, thirty-sixth session, store 16K, us 1 / 8 layers, tl.store -> inline PTX everywhere:
+# 4bit_nc 43.46 -> 43.23 / 39.68 -> 39.52, tq_k4v4_nc 59.42 -> 58.21 / 55.27 -> 53.92, tq4 72.38 -> 72.03 / 68.21
+# -> 67.68; slower with byte words (tq3 54.30 -> 57.06 / 50.11 -> 52.37) and for the scales of 3-bit sides (3bit_nc
+# 46.24 -> 46.69, k3v4_nc 46.11 -> 46.43), so those keep `tl.store`
 ASM_STORE = tl.constexpr(int(os.environ.get("TQ_ASM_STORE", "1")))
 MINMAX_ROWS_CONTIG = 1
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
@@ -365,7 +369,7 @@ def _pack_tile(
         g = col0 // 4 + tl.arange(0, W // 4)
         m = tok_ok[:, None] & (g[None, :] < D // 4)
         wp = pay_ptr + tokp[:, None] * (D // 4) + g[None, :]
-        if ASM_STORE and _ASM:
+        if ASM_STORE and _ASM and BITS == 4:  # 16-bit words (byte words were slower: tq3's 2-bit values)
             _st_where(wp, w.to(pay_ptr.dtype.element_ty), m)
         else:
             tl.store(wp, w.to(pay_ptr.dtype.element_ty), mask=m)
@@ -594,7 +598,7 @@ def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
 
 
 @triton.jit
-def _tq_scale_store(n, a, sc_ptr, tokp, tok_ok, SCALE_MODE: tl.constexpr):
+def _tq_scale_store(n, a, sc_ptr, tokp, tok_ok, SCALE_MODE: tl.constexpr, ASM: tl.constexpr = False):
     """The stored fp16 scale of a TurboQuant row: n (plain), n / ||c|| (nc, a = ||c||^2) or n / <y, c>
     (unbiased, a = <y, c>), a float32; IEEE square root and division, as torch computes the reference
     (Triton's `/` and `tl.sqrt` are approximate)."""
@@ -605,7 +609,7 @@ def _tq_scale_store(n, a, sc_ptr, tokp, tok_ok, SCALE_MODE: tl.constexpr):
     else:
         sc = tl.math.div_rn(n, tl.maximum(a, 1e-30))
     sc16 = tl.minimum(tl.maximum(sc, -65504.0), 65504.0).to(tl.float16)
-    if ASM_STORE and _ASM:  # from the layout the scale is in (threads holding the same row store the same bits)
+    if ASM and _ASM:  # from the layout the scale is in (threads holding the same row store the same bits)
         _st_where((sc_ptr + tokp).to(tl.pointer_type(tl.int16)), sc16.to(tl.int16, bitcast=True), tok_ok)
     else:
         tl.store(sc_ptr + tokp, sc16, mask=tok_ok)
@@ -908,7 +912,10 @@ def _tq_side(
         if NT > G0 + 2:
             acc += tl.sum(_tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
                                        BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3, LUT, CMP, LANES), 1)  # fmt: skip
-    _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
+    # by inline PTX (`ASM_STORE`) with the half-group 16-bit words (4-bit codes): slower in the one-warp launches
+    # of 3-bit sides, whose conversions through shared memory need no barrier across warps
+    ASM: tl.constexpr = ASM_STORE and GS == -1 and BITS == 4
+    _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE, ASM)
 
 
 @triton.jit
