@@ -425,6 +425,34 @@ def test_store_split_order_gpu(preset, order, monkeypatch):
     _compare(preset, 8, 128, 3000, seed=61)
 
 
+def test_asm_store_rule(monkeypatch):
+    """Code words and scales by inline PTX (`asm_store`): 4-bit half-group sides where every TurboQuant side of the
+    plan is one (4bit_nc's keys, both sides of tq_k4v4_nc), not tq3's keys beside its 2-bit values, not 3-bit
+    sides; `ASM_STORE` 2 takes every 4-bit half-group side, 0 none."""
+
+    def asm(preset):
+        plan = StorePlan(make_layer_format(preset, 1, 8, 128, torch.bfloat16), "cpu")
+        return [store_triton.asm_store(plan, side) for side in (0, 1)]
+
+    assert asm("turboquant_4bit_nc") == [True, False]
+    assert asm("tq_k4v4_nc") == asm("tq_k4v4_ub") == [True, True]
+    assert asm("tq3") == asm("turboquant_3bit_nc") == asm("tq4") == asm("turboquant_k8v4") == [False, False]
+    monkeypatch.setattr(store_triton, "ASM_STORE", 2)
+    assert asm("tq3") == [True, False]
+    monkeypatch.setattr(store_triton, "ASM_STORE", 0)
+    assert asm("turboquant_4bit_nc") == asm("tq_k4v4_nc") == [False, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("asm", [0, 2])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "tq_k4v4_ub"])
+def test_store_asm_store_gpu(preset, asm, monkeypatch):
+    """Words and scales by inline PTX or by `tl.store`: the reference's page bits, skipped slots untouched."""
+    monkeypatch.setattr(store_triton, "ASM_STORE", asm)
+    _bit_identical_case(preset, 128, torch.bfloat16, 20000, seed=79)
+    _compare(preset, 8, 128, 3000, seed=79)
+
+
 def test_compare_ptx_boundaries():
     """The 2-bit sides' compare block holds each boundary's exact float32 bits, in order, one subtraction
     each; the tables of 2-bit sides carry it, wider ones do not."""

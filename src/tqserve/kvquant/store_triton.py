@@ -138,12 +138,14 @@ LOAD_BY_TOKEN = 1
 # programs then have the layout to themselves), 2 every such side, 0 never
 MINMAX_ROWS = 1
 # Half-group 16-bit code words (`HALF_GROUPS`, 4-bit codes) and their side's scales stored by inline PTX from the
-# MMA-derived layout they are in (`_st_where`) instead of `tl.store`'s trip through shared memory (read when the
-# module loads). H200, thirty-sixth session, store 16K, us 1 / 8 layers, tl.store -> inline PTX everywhere:
+# MMA-derived layout they are in (`_st_where`; `_pack_tile`'s GS = -2) instead of `tl.store`'s trip through shared
+# memory: 1 where every TurboQuant side of the plan is such a side (`asm_store`), 2 every such side, 0 never. H200,
+# thirty-sixth session, store 16K, us 1 / 8 layers, tl.store -> inline PTX for every side (words of any width):
 # 4bit_nc 43.46 -> 43.23 / 39.68 -> 39.52, tq_k4v4_nc 59.42 -> 58.21 / 55.27 -> 53.92, tq4 72.38 -> 72.03 / 68.21
 # -> 67.68; slower with byte words (tq3 54.30 -> 57.06 / 50.11 -> 52.37) and for the scales of 3-bit sides (3bit_nc
-# 46.24 -> 46.69, k3v4_nc 46.11 -> 46.43), so those keep `tl.store`
-ASM_STORE = tl.constexpr(int(os.environ.get("TQ_ASM_STORE", "1")))
+# 46.24 -> 46.69, k3v4_nc 46.11 -> 46.43). With 16-bit words only, tq3's 4-bit keys still lost (54.30 -> 55.36 /
+# 50.18 -> 51.32; 4bit_nc 43.23 -> 43.07 / 39.68 -> 39.60, tq_k4v4_nc 59.62 -> 58.37 / 55.28 -> 54.01), hence the rule
+ASM_STORE = 1
 MINMAX_ROWS_CONTIG = 1
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
@@ -297,7 +299,7 @@ def _half_cols(k, GS: tl.constexpr):
     cross-lane sums that gather 8 consecutive columns from 4 lanes. GS = -8: over one warp (the launch
     of 3-bit sides) a thread holds columns 8 n + 2 c + e of its row, and column 8 n + 2 c + e holds
     coordinate 8 c + 2 n + e: a whole group of 8 codes (3 bytes of the stream) per thread."""
-    if GS == -1:
+    if GS == -1 or GS == -2:
         return ((k // 8) % 2) * 16 + ((k // 2) % 4) * 4 + (k // 16) * 2 + k % 2
     elif GS == -8:
         return ((k // 2) % 4) * 8 + (k // 8) * 2 + k % 2
@@ -352,6 +354,7 @@ def _pack_tile(
     GS = -1 (`HALF_GROUPS`): the tile's columns are in `_half_cols` order, so the 4 indices of each
     half group (coordinates 4 h .. 4 h + 3) are columns (t, e) of one (w, c); they are packed where
     they are, in registers, into one 4b-bit word each (b in 2, 4; pay_ptr an int8 / int16 view).
+    GS = -2: GS = -1 stored by inline PTX from the layout the words are in (`asm_store`, 16-bit words).
     GS = -8: the columns in `_half_cols`' one-warp order, so each thread holds a whole group of 8
     codes (coordinates 8 h .. 8 h + 7); its b bytes are stored one by one (pay_ptr an int8 view)."""
     if GS == -8:
@@ -369,7 +372,7 @@ def _pack_tile(
         g = col0 // 4 + tl.arange(0, W // 4)
         m = tok_ok[:, None] & (g[None, :] < D // 4)
         wp = pay_ptr + tokp[:, None] * (D // 4) + g[None, :]
-        if ASM_STORE and _ASM and BITS == 4:  # 16-bit words (byte words were slower: tq3's 2-bit values)
+        if GS == -2 and _ASM:  # `asm_store`
             _st_where(wp, w.to(pay_ptr.dtype.element_ty), m)
         else:
             tl.store(wp, w.to(pay_ptr.dtype.element_ty), mask=m)
@@ -912,9 +915,7 @@ def _tq_side(
         if NT > G0 + 2:
             acc += tl.sum(_tq_tile_out(t3, f3, f3 * CS, O3, pay_ptr, tokp, tok_ok, tab_ptr,
                                        BITS, SCALE_MODE, GS, NCELL, HALFC, D, BT, W3, LUT, CMP, LANES), 1)  # fmt: skip
-    # by inline PTX (`ASM_STORE`) with the half-group 16-bit words (4-bit codes): slower in the one-warp launches
-    # of 3-bit sides, whose conversions through shared memory need no barrier across warps
-    ASM: tl.constexpr = ASM_STORE and GS == -1 and BITS == 4
+    ASM: tl.constexpr = GS == -2  # by inline PTX with the code words (`asm_store`)
     _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE, ASM)
 
 
@@ -1544,6 +1545,15 @@ def minmax_rows(plan: StorePlan, side: int) -> int:
     return (2 if MINMAX_ROWS_CONTIG else 1) if ok else 0
 
 
+def asm_store(plan: StorePlan, side: int) -> bool:
+    """Whether a side's code words and scales are stored by inline PTX (`ASM_STORE`; GS = -2): 4-bit half groups,
+    and by default only where every TurboQuant side of the plan is one (4bit_nc, tq_k4v4_*; not tq3's keys)."""
+    ok = lambda s: plan.group[s] == -1 and plan.sides[s][1] == 4  # noqa: E731
+    if not ASM_STORE or not ok(side):
+        return False
+    return ASM_STORE == 2 or all(ok(s) for s in (0, 1) if plan.sides[s][0] in (TQ, TQ_DENSE))
+
+
 def sign_mode(plan: StorePlan) -> int:
     """`_rot_tile`'s SIGNS: 1 at the load (`signs_at_load`), else 2 with `SIGN_XOR`, else 0."""
     return 1 if signs_at_load(plan) else 2 if SIGN_XOR else 0
@@ -1598,15 +1608,16 @@ def store_kv(
         w, g0, nt, rest, nsplit, had = 16, 1, 1, [(0, 16)] * 3, 1, first
     rot = plan.rot if plan.rot is not None else first
     (km, kb, *_), (vm, vb, *_) = plan.sides
+    kgs, vgs = (-2 if asm_store(plan, i) else plan.group[i] or 0 for i in (0, 1))
     split = SPLIT_ORDER if split_sides(plan) else 0
     grid = (triton.cdiv(T, bt) * (2 if split == 3 else 1), hkv, 2 if split in (1, 2) else 1)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
         plan.gains if plan.search else first,
         HKV=hkv, BS=bs, D=d, DP=dp, BT=bt, C=min(dp, 64),
-        KMODE=km, KBITS=kb, KGS=plan.group[0] or 0, KNCELL=cells[0][0], KHALFC=cells[0][1], KCS=cells[0][2],
+        KMODE=km, KBITS=kb, KGS=kgs, KNCELL=cells[0][0], KHALFC=cells[0][1], KCS=cells[0][2],
         KLUT=cells[0][3], KCMP=cells[0][4] if CMP_2BIT else "", KLANES=cells[0][5],
-        VMODE=vm, VBITS=vb, VGS=plan.group[1] or 0, VNCELL=cells[1][0], VHALFC=cells[1][1], VCS=cells[1][2],
+        VMODE=vm, VBITS=vb, VGS=vgs, VNCELL=cells[1][0], VHALFC=cells[1][1], VCS=cells[1][2],
         VLUT=cells[1][3], VCMP=cells[1][4] if CMP_2BIT else "", VLANES=cells[1][5],
         SCALE_MODE=plan.scale_mode, SEARCH=plan.search,
         NGAIN=plan.gains.numel() if plan.search else 1, NSPLIT=nsplit,
