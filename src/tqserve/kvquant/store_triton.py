@@ -125,17 +125,24 @@ CMP_SIGN = 1
 # were slower than keys first: 4bit_nc at 64 registers 47.30 / 45.54, at 80 48.99 / 47.84. Value programs of two
 # key programs' tiles (both tiles' rows loaded first) spill at 64 registers: 4bit_nc 45.54 -> 65.70, 41.93 -> 62.32.
 SPLIT_SIDES = 1
-# Split launches' program order: 1 every key program before the first value program, 2 values first, 3 interleaved
+# Split launches' program order: 1 every key program before the first value program, 2 values first, 3 interleaved.
+# H200, thirty-sixth session, store 16K, us 1 / 8 layers, 1 / 2 / 3: 4bit_nc 44.16 / 45.44 / 44.86, 40.27 / 40.06 /
+# 40.45; tq3 55.46 / 55.39 / 55.87, 50.74 / 50.79 / 51.33; tq4 74.91 / 74.75 / 82.91; tq_k4v4_nc all within 0.3%
 SPLIT_ORDER = 1
 # Split launches (keys first or values first) whose values take `_minmax_rows`: token tiles per value program (the
-# programs of the other tiles' values return at once)
+# programs of the other tiles' values return at once; both tiles' rows loaded first). Two spill at the 64-register
+# cap: H200, thirty-sixth session, 4bit_nc 1 / 2 tiles 43.71 / 52.00 us, 8 layers 39.80 / 48.17
 SPLIT_VALUE_TILES = 1
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
 LOAD_BY_TOKEN = 1
-# Min-max sides of 2- or 4-bit codes in `_minmax_rows`' layout (one row per thread group of 4, the min / max
-# reduced in registers but for two shuffle stages) instead of `_minmax_tile`'s: 1 where the sides split (the value
-# programs then have the layout to themselves), 2 every such side, 0 never
+# Min-max sides in `_minmax_rows`' layout (one row per thread group of 4, the min / max reduced in registers but for
+# two shuffle stages, in bf16x2 / f16x2) instead of `_minmax_tile`'s: 1 in the tuned launches (a TurboQuant key side,
+# d <= 128: 4bit_nc, k3v4_nc, 3bit_nc), 2 every such side (`minmax_rows`), 0 never. MINMAX_ROWS_CONTIG: a thread's
+# columns contiguous (one store of its words; 3-bit codes only so) rather than each load instruction's. H200,
+# thirty-sixth session, store 16K, us 1 / 8 layers, `_minmax_tile` -> rows (-> contiguous): 4bit_nc 45.18 -> 44.29
+# (44.16) / 41.46 -> 40.53 (40.24); k3v4_nc 48.58 -> 46.30 (46.27) / 44.11 -> 41.29 (41.40); 3bit_nc 48.45 -> 46.24 /
+# 44.03 -> 41.52 (contiguous); slower for k8v4 (fp8 keys, not tuned): 30.18 -> 31.58 (30.18) / 25.34 -> 26.16 (25.67)
 MINMAX_ROWS = 1
 # Half-group 16-bit code words (`HALF_GROUPS`, 4-bit codes) and their side's scales stored by inline PTX from the
 # MMA-derived layout they are in (`_st_where`; `_pack_tile`'s GS = -2) instead of `tl.store`'s trip through shared
