@@ -144,6 +144,7 @@ LOAD_BY_TOKEN = 1
 # (44.16) / 41.46 -> 40.53 (40.24); k3v4_nc 48.58 -> 46.30 (46.27) / 44.11 -> 41.29 (41.40); 3bit_nc 48.45 -> 46.24 /
 # 44.03 -> 41.52 (contiguous); slower for k8v4 (fp8 keys, not tuned): 30.18 -> 31.58 (30.18) / 25.34 -> 26.16 (25.67)
 MINMAX_ROWS = 1
+MINMAX_ROWS_CONTIG = 1
 # Half-group 16-bit code words (`HALF_GROUPS`, 4-bit codes) and their side's scales stored by inline PTX from the
 # MMA-derived layout they are in (`_st_where`; `_pack_tile`'s GS = -2) instead of `tl.store`'s trip through shared
 # memory: 1 where every TurboQuant side of the plan is such a side (`asm_store`), 2 every such side, 0 never. H200,
@@ -153,7 +154,6 @@ MINMAX_ROWS = 1
 # 46.24 -> 46.69, k3v4_nc 46.11 -> 46.43). With 16-bit words only, tq3's 4-bit keys still lost (54.30 -> 55.36 /
 # 50.18 -> 51.32; 4bit_nc 43.23 -> 43.07 / 39.68 -> 39.60, tq_k4v4_nc 59.62 -> 58.37 / 55.28 -> 54.01), hence the rule
 ASM_STORE = 1
-MINMAX_ROWS_CONTIG = 1
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
 _CMP_PTX = (
@@ -319,7 +319,6 @@ def _st_where(ptr, val, mask):
     """tl.store(ptr, val, mask=mask) of 8-, 16- or 32-bit values as inline PTX, in val's own layout: `tl.store` moves
     the values of an MMA-derived layout to a coalescing one through shared memory first (a store, a barrier, a
     load and a barrier per call), where each thread's own few words can go out directly."""
-    z = tl.zeros(val.shape, dtype=tl.int32)
     if val.dtype.primitive_bitwidth == 8:  # st.b8 stores the low byte of a 16-bit register
         tl.inline_asm_elementwise(
             "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b8 [$1], $2;\nmov.b32 $0, 0;\n}",
@@ -334,7 +333,7 @@ def _st_where(ptr, val, mask):
         tl.static_assert(val.dtype.primitive_bitwidth == 32)
         tl.inline_asm_elementwise(
             "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b32 [$1], $2;\nmov.b32 $0, 0;\n}",
-            "=r,l,r,r", [ptr, val, mask.to(tl.int32) + z], dtype=tl.int32, is_pure=False, pack=1,
+            "=r,l,r,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
 
 
@@ -981,13 +980,13 @@ def _minmax_rows(
     x_ptr, xrow, ld_ok, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS: tl.constexpr, D: tl.constexpr,
     BT: tl.constexpr, SAT: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """`_minmax_tile` in the row-group layout (`MINMAX_ROWS`): the rows as [4, BT, D / 32, 8], column 8 k + 32 j
-    + e at (k, t, j, e). Triton's layout for it (sm_90, Triton 3.6) spreads the threads over (k, t) and keeps j
-    and e in registers, so a thread holds 8 columns of each of the D / 32 column blocks of ONE row, and each load
-    instruction reads 64 contiguous bytes per row. The row min / max is then in-thread but for two shuffle stages,
-    and the per-row scalars are computed once per thread (`_minmax_tile`'s [BT, D] layout gives a thread 4 rows of
-    8 columns: four shuffle stages per row for each of min and max, every per-row scalar 4 times). The 8 codes of
-    (k, j) are word k + 4 j of the page row. Same per-element arithmetic as `_minmax_tile`."""
+    """`_minmax_tile` in the row-group layout (`MINMAX_ROWS`): the rows as [4, BT, D / 32, 8], column (D / 4) k +
+    8 j + e (ROWS 2, `MINMAX_ROWS_CONTIG`) or 8 k + 32 j + e (ROWS 1) at (k, t, j, e). Triton's layout for it (sm_90,
+    Triton 3.6) spreads the threads over (k, t) and keeps j and e in registers, so a thread holds D / 4 columns of
+    ONE row. The row min / max is then in-thread but for two shuffle stages, and the per-row scalars are computed
+    once per thread (`_minmax_tile`'s [BT, D] layout gives a thread 4 rows of 8 columns: four shuffle stages per row
+    for each of min and max, every per-row scalar 4 times). The 8 codes of (k, j) are word (D / 32) k + j (ROWS 2) or
+    k + 4 j (ROWS 1) of the page row. Same per-element arithmetic as `_minmax_tile`."""
     xr = _minmax_rows_load(x_ptr, xrow, ld_ok, D, ROWS)
     _minmax_rows_out(xr, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS, D, BT, SAT, ROWS)
 
@@ -1555,10 +1554,13 @@ def minmax_rows(plan: StorePlan, side: int) -> int:
 def asm_store(plan: StorePlan, side: int) -> bool:
     """Whether a side's code words and scales are stored by inline PTX (`ASM_STORE`; GS = -2): 4-bit half groups,
     and by default only where every TurboQuant side of the plan is one (4bit_nc, tq_k4v4_*; not tq3's keys)."""
-    ok = lambda s: plan.group[s] == -1 and plan.sides[s][1] == 4  # noqa: E731
-    if not ASM_STORE or not ok(side):
+
+    def half_groups4(s: int) -> bool:
+        return plan.group[s] == -1 and plan.sides[s][1] == 4
+
+    if not ASM_STORE or not half_groups4(side):
         return False
-    return ASM_STORE == 2 or all(ok(s) for s in (0, 1) if plan.sides[s][0] in (TQ, TQ_DENSE))
+    return ASM_STORE == 2 or all(half_groups4(s) for s in (0, 1) if plan.sides[s][0] in (TQ, TQ_DENSE))
 
 
 def sign_mode(plan: StorePlan) -> int:
