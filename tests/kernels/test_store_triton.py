@@ -385,25 +385,6 @@ def test_store_minmax_rows_gpu(preset, d, dtype, contig, monkeypatch):
     _compare(preset, 8, d, 3000, seed=47)
 
 
-@pytest.mark.parametrize("t", [40, 70])
-def test_store_split_value_tiles(t, monkeypatch):
-    """Value programs of two token tiles (`SPLIT_VALUE_TILES = 2`; an odd and an even tile count): the reference's
-    page bits, skipped slots untouched."""
-    monkeypatch.setattr(store_triton, "SPLIT_SIDES", 2)
-    monkeypatch.setattr(store_triton, "SPLIT_VALUE_TILES", 2)
-    _bit_identical_case("turboquant_4bit_nc", 64, torch.bfloat16, t, seed=67)
-    _compare("turboquant_4bit_nc", 2, 64, t, seed=71)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("order", [1, 2])
-def test_store_split_value_tiles_gpu(order, monkeypatch):
-    monkeypatch.setattr(store_triton, "SPLIT_VALUE_TILES", 2)
-    monkeypatch.setattr(store_triton, "SPLIT_ORDER", order)
-    _bit_identical_case("turboquant_4bit_nc", 128, torch.bfloat16, 20000, seed=73)
-    _compare("turboquant_4bit_nc", 8, 128, 3001, seed=73)
-
-
 @pytest.mark.parametrize("order", [2, 3])
 @pytest.mark.parametrize("preset,dtype", [("turboquant_4bit_nc", torch.bfloat16), ("tq3", torch.float16)])
 def test_store_split_order(preset, dtype, order, monkeypatch):

@@ -129,10 +129,8 @@ SPLIT_SIDES = 1
 # H200, thirty-sixth session, store 16K, us 1 / 8 layers, 1 / 2 / 3: 4bit_nc 44.16 / 45.44 / 44.86, 40.27 / 40.06 /
 # 40.45; tq3 55.46 / 55.39 / 55.87, 50.74 / 50.79 / 51.33; tq4 74.91 / 74.75 / 82.91; tq_k4v4_nc all within 0.3%
 SPLIT_ORDER = 1
-# Split launches (keys first or values first) whose values take `_minmax_rows`: token tiles per value program (the
-# programs of the other tiles' values return at once; both tiles' rows loaded first). Two spill at the 64-register
-# cap: H200, thirty-sixth session, 4bit_nc 1 / 2 tiles 43.71 / 52.00 us, 8 layers 39.80 / 48.17
-SPLIT_VALUE_TILES = 1
+# (Value programs of two token tiles in `_minmax_rows`' layout, both tiles' rows loaded first, spilled at the
+# 64-register cap too: H200, thirty-sixth session, 4bit_nc 1 / 2 tiles 43.71 / 52.00 us, 8 layers 39.80 / 48.17.)
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
 LOAD_BY_TOKEN = 1
@@ -954,25 +952,28 @@ def _minmax_tile(
 
 
 @triton.jit
-def _minimum(a, b):
-    """min(a, b) in a and b's own float dtype (`tl.minimum` widens 16-bit floats to float32 first)."""
+def _half_op(a, b, BF16: tl.constexpr, F16: tl.constexpr, IS_MIN: tl.constexpr):
+    """min / max (IS_MIN) of a and b in their own float dtype by the PTX BF16 / F16 (`tl.minimum` and `tl.maximum`
+    widen 16-bit floats to float32 first, one element per instruction, where ptxas pairs these); float32 inputs and
+    the interpreter take `tl.minimum` / `tl.maximum`."""
     if _ASM and a.dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise("min.bf16 $0, $1, $2;", "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(BF16, "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
     elif _ASM and a.dtype == tl.float16:
-        return tl.inline_asm_elementwise("min.f16 $0, $1, $2;", "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
-    else:
+        return tl.inline_asm_elementwise(F16, "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
+    elif IS_MIN:
         return tl.minimum(a, b)
+    else:
+        return tl.maximum(a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return _half_op(a, b, "min.bf16 $0, $1, $2;", "min.f16 $0, $1, $2;", True)
 
 
 @triton.jit
 def _maximum(a, b):
-    """max(a, b) in a and b's own float dtype."""
-    if _ASM and a.dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise("max.bf16 $0, $1, $2;", "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
-    elif _ASM and a.dtype == tl.float16:
-        return tl.inline_asm_elementwise("max.f16 $0, $1, $2;", "=h,h,h", [a, b], dtype=a.dtype, is_pure=True, pack=1)
-    else:
-        return tl.maximum(a, b)
+    return _half_op(a, b, "max.bf16 $0, $1, $2;", "max.f16 $0, $1, $2;", False)
 
 
 @triton.jit
@@ -987,31 +988,15 @@ def _minmax_rows(
     once per thread (`_minmax_tile`'s [BT, D] layout gives a thread 4 rows of 8 columns: four shuffle stages per row
     for each of min and max, every per-row scalar 4 times). The 8 codes of (k, j) are word (D / 32) k + j (ROWS 2) or
     k + 4 j (ROWS 1) of the page row. Same per-element arithmetic as `_minmax_tile`."""
-    xr = _minmax_rows_load(x_ptr, xrow, ld_ok, D, ROWS)
-    _minmax_rows_out(xr, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS, D, BT, SAT, ROWS)
-
-
-@triton.jit
-def _minmax_rows_load(x_ptr, xrow, ld_ok, D: tl.constexpr, ROWS: tl.constexpr):
-    """`_minmax_rows`' [4, BT, D / 32, 8] tile of the rows xrow (input dtype; rows where ld_ok is false: 0)."""
+    NJ: tl.constexpr = D // 32
+    LEVELS: tl.constexpr = (1 << BITS) - 1
     k = tl.arange(0, 4)[:, None, None, None]
-    j = tl.arange(0, D // 32)[None, None, :, None]
+    j = tl.arange(0, NJ)[None, None, :, None]
     e = tl.arange(0, 8)[None, None, None, :]
     # ROWS == 2: thread k holds columns [D k / 4, D (k + 1) / 4) (its words one store; each load instruction
     # reads 16 bytes every D / 2 per row) instead of 8 k + 32 j + e (64 contiguous bytes per row and instruction)
     col = (D // 4) * k + 8 * j + e if ROWS == 2 else 8 * k + 32 * j + e
-    return tl.load(x_ptr + xrow[None, :, None, None] + col, mask=ld_ok[None, :, None, None], other=0.0)
-
-
-@triton.jit
-def _minmax_rows_out(
-    xr, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-    SAT: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    """`_minmax_rows`' codes, scales and zeros of the tile xr, written where tok_ok."""
-    NJ: tl.constexpr = D // 32
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    e = tl.arange(0, 8)[None, None, None, :]
+    xr = tl.load(x_ptr + xrow[None, :, None, None] + col, mask=ld_ok[None, :, None, None], other=0.0)
     # the row min / max in the input dtype (exact; `tl.min` widens 16-bit floats to float32 first: one element per
     # instruction, where min.bf16x2 takes two); the interpreter reduces them in float32
     xm = xr if _ASM else xr.to(tl.float32)
@@ -1152,7 +1137,6 @@ def _store_kv_kernel(
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
     SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr, KROWS: tl.constexpr, VROWS: tl.constexpr,
-    VTILES: tl.constexpr,
 ):  # fmt: skip
     # `split_sides`, `SPLIT_ORDER`: SPLIT 1 / 2: grid axis 2 picks the side, CUDA starting the key (1) or the value
     # (2) programs first; 3: axis 0 holds 2 programs per token tile, keys and values interleaved
@@ -1170,15 +1154,6 @@ def _store_kv_kernel(
                         had_ptr, gain_ptr, KMODE, KBITS, KGS, SCALE_MODE, KNCELL, KHALFC, KCS, KLUT, KCMP, KLANES,
                         SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                         B0, B1, B2, B3, SIGNS, SAT, KROWS)  # fmt: skip
-        elif VTILES == 2:  # `SPLIT_VALUE_TILES`: the value program of two token tiles, both tiles' rows loaded first
-            if tl.program_id(0) % 2 == 0:
-                ld0, ok0, tp0 = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
-                ld1, ok1, tp1 = _rows(slot_ptr, T, t0 + BT, h, HKV, BS, BT, LOAD_BY_TOKEN)
-                t = t0 + tl.arange(0, BT)
-                x0 = _minmax_rows_load(v_ptr, t.to(tl.int64) * stride_vt + h * D, ld0, D, VROWS)
-                x1 = _minmax_rows_load(v_ptr, (t + BT).to(tl.int64) * stride_vt + h * D, ld1, D, VROWS)
-                _minmax_rows_out(x0, ok0, tp0, vpay_ptr, vsc_ptr, vzr_ptr, VBITS, D, BT, SAT, VROWS)
-                _minmax_rows_out(x1, ok1, tp1, vpay_ptr, vsc_ptr, vzr_ptr, VBITS, D, BT, SAT, VROWS)
         else:
             ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
             _store_side(v_ptr, stride_vt, t0, ld_ok, ok, tokp, h, vpay_ptr, vsc_ptr, vzr_ptr, vtab_ptr, rot_ptr,
@@ -1634,7 +1609,6 @@ def store_kv(
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
         SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN),
         KROWS=minmax_rows(plan, 0), VROWS=minmax_rows(plan, 1),
-        VTILES=SPLIT_VALUE_TILES if split in (1, 2) and minmax_rows(plan, 1) else 1,
         num_warps=warps,
         **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
