@@ -561,6 +561,21 @@ def test_store_cell_lanes_everywhere(preset, d, dtype, monkeypatch):
     _bit_identical_case(preset, d, dtype, 40, seed=19)
 
 
+def test_cell_lanes_rule(monkeypatch):
+    """Lane-table cells (`cell_lanes`): by default where both sides are TurboQuant and in 4bit_nc's split launch,
+    not in the one-warp launches of 3-bit sides; `CELL_LANES` 0 nowhere."""
+
+    def lanes(preset, d=128):
+        plan = StorePlan(make_layer_format(preset, 1, 8, d, torch.bfloat16), "cpu")
+        return plan.sides[0][5][6] > 0
+
+    assert lanes("turboquant_4bit_nc") and lanes("turboquant_4bit_nc", 64) and lanes("tq_k4v4_nc")
+    assert not lanes("turboquant_3bit_nc") and not lanes("turboquant_k3v4_nc")
+    assert not lanes("turboquant_4bit_nc", 256)  # not a tuned launch
+    monkeypatch.setattr(store_triton, "CELL_LANES", 0)
+    assert not lanes("turboquant_4bit_nc") and not lanes("tq_k4v4_nc")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lanes", [0, 2])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "tq_k4v4_nc"])
@@ -673,7 +688,8 @@ def test_term_lut_rule():
     table holds round(c^2 * 2^SCALE_QS), as `reference.fixed_sum` rounds each term; other sides keep theirs."""
     from tqserve.kvquant.reference import SCALE_QS, tq_codebook
 
-    for preset, want in (("turboquant_4bit_nc", [-1]), ("turboquant_k3v4_nc", [-1]), ("tq_k4v4_nc", None)):
+    cases = (("turboquant_3bit_nc", [-1]), ("turboquant_k3v4_nc", [-1]), ("tq_k4v4_nc", None), ("turboquant_4bit_nc", None))
+    for preset, want in cases:
         plan = StorePlan(make_layer_format(preset, 1, 8, 128, torch.bfloat16), "cpu")
         lanes = [s[5][6] for s in plan.sides if s[0] == TQ]
         if want is None:

@@ -90,7 +90,11 @@ SIGN_XOR = 1
 # nc sides of 3- or 4-bit codes (their boundaries' cells span under 32): the cell's boundary and base by two
 # warp shuffles from lane tables (`_tq_lookup_lanes`), and the element's rounded ||c||^2 term by a third at
 # the index found, instead of an 8-byte load at a 64-bit address, the scaled centroid's shuffle, an fma and a
-# subtraction per element. 1: where both sides are TurboQuant, 2: every such side, 0: none. sm_90
+# subtraction per element. 1: by `cell_lanes`' rule (both sides TurboQuant, or 4bit_nc's split launch), 2: every
+# such side, 0: none. H200, thirty-seventh session, store 16K, us 1 / 8 layers, loads -> lanes (two calls):
+# 4bit_nc 43.36 -> 42.02 / 39.68 -> 38.27 and 43.46 -> 42.11 / 39.56 -> 38.17 (the split key programs wait on
+# memory most: ncu's long-scoreboard stalls lead); still slower for the 8 x 1 launches: 3bit_nc 45.95 -> 46.14 /
+# 41.32 -> 41.67, k3v4_nc 45.95 -> 46.05 / 41.17 -> 41.38. Before the split (thirty-second session), sm_90
 # instructions per program (off -> on): 4bit_nc 1,984 -> 1,888, 3bit_nc 2,040 -> 1,976, tq_k4v4_nc 2,376 ->
 # 2,192 (126 -> 96 registers). H200, thirty-second session, `store_bench.py --flush --slots pages`, 16K
 # tokens, two rounds, ms off / on: tq_k4v4_nc 0.0670 / 0.0658 and 0.0671 / 0.0659; slower with one TurboQuant
@@ -1415,7 +1419,8 @@ class StorePlan:
         if {s[0] for s in self.sides} == {TQ, TQ_DENSE}:
             raise NotImplementedError("keys and values with different rotations")
         self.scale_mode, self.search = modes.pop() if modes else (0, False)
-        if CELL_LANES == 1 and not all(m in (TQ, TQ_DENSE) for m, *_ in self.sides):
+        self.group = [self._group(mode, bits) for mode, bits, *_ in self.sides]
+        if not cell_lanes(self):
             self.sides = [(*side[:5], (*side[5][:6], 0) if side[5] else None) for side in self.sides]
         if TERM_LUT and self.scale_mode == SCALE_MODES["nc"] and not self.search:
             sides = []
@@ -1430,7 +1435,6 @@ class StorePlan:
             self.sides = [(*side[:5], (*side[5][:4], "", "", 0)) for side in self.sides]
         if self.search:
             self.gains = torch.tensor(SEARCH_GAINS, dtype=torch.float32, device=device)
-        self.group = [self._group(mode, bits) for mode, bits, *_ in self.sides]
 
     def _group(self, mode: int, bits: int) -> int | None:
         """`_pack_tile`'s GS for one side (None: not packed; -1: half groups, `HALF_GROUPS`)."""
@@ -1511,6 +1515,16 @@ def split_sides(plan: StorePlan) -> bool:
     if SPLIT_SIDES != 1:
         return bool(SPLIT_SIDES)
     return _tuned(plan) and (_tq_sides(plan) == 2 or not _grouped(plan))
+
+
+def cell_lanes(plan: StorePlan) -> bool:
+    """Whether nc sides of 3- or 4-bit codes take their cells from lane tables (`CELL_LANES`): by default where both
+    sides are TurboQuant, or in the split one-side launch whose codes do not cross words (4bit_nc)."""
+    if CELL_LANES != 1:
+        return bool(CELL_LANES)
+    if all(m in (TQ, TQ_DENSE) for m, *_ in plan.sides):
+        return True
+    return _tuned(plan) and _tq_sides(plan) == 1 and not _grouped(plan)
 
 
 def minmax_rows(plan: StorePlan, side: int) -> int:
