@@ -688,7 +688,12 @@ def test_term_lut_rule():
     table holds round(c^2 * 2^SCALE_QS), as `reference.fixed_sum` rounds each term; other sides keep theirs."""
     from tqserve.kvquant.reference import SCALE_QS, tq_codebook
 
-    cases = (("turboquant_3bit_nc", [-1]), ("turboquant_k3v4_nc", [-1]), ("tq_k4v4_nc", None), ("turboquant_4bit_nc", None))
+    cases = (
+        ("turboquant_3bit_nc", [-1]),
+        ("turboquant_k3v4_nc", [-1]),
+        ("tq_k4v4_nc", None),
+        ("turboquant_4bit_nc", None),
+    )
     for preset, want in cases:
         plan = StorePlan(make_layer_format(preset, 1, 8, 128, torch.bfloat16), "cpu")
         lanes = [s[5][6] for s in plan.sides if s[0] == TQ]
