@@ -716,8 +716,9 @@ def test_term_lut_rule():
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc"])
 def test_store_term_lut_gpu(preset, term_lut, monkeypatch):
     """nc terms shuffled from the lane table (`TERM_LUT`) or formed by an fma from the scaled centroid: the
-    reference's page bits either way."""
+    reference's page bits either way (lane-table cells off: 4bit_nc takes them by default, `cell_lanes`)."""
     monkeypatch.setattr(store_triton, "TERM_LUT", term_lut)
+    monkeypatch.setattr(store_triton, "CELL_LANES", 0)
     plan = StorePlan(make_layer_format(preset, 1, 2, 128, torch.bfloat16), "cpu")
     assert (plan.sides[0][5][6] == -1) == bool(term_lut)
     _bit_identical_case(preset, 128, torch.bfloat16, 20000, seed=29)
