@@ -138,6 +138,10 @@ SPLIT_ORDER = 1
 # K / V rows loaded where t < T rather than where the slot is >= 0, so the row loads do not wait for the slot
 # mapping's load (two dependent memory round trips per program otherwise)
 LOAD_BY_TOKEN = 1
+# (An L2 prefetch, at each program's start, of the rows of the program 8, 16 or 24 x 132 launch slots later - about
+# one wave - was slower everywhere: H200, thirty-seventh session, store 16K, us 1 / 8 layers, off -> 8 / 16 / 24:
+# 4bit_nc 42.05 -> 44.86 / 44.93 / 44.67, 38.36 -> 41.24 / 41.18 / 40.83; tq3 54.91 -> 56.26 / 57.44 / 58.18;
+# 3bit_nc 46.27 -> 47.46 / 48.58 / 49.92. Removed.)
 # Min-max sides in `_minmax_rows`' layout (one row per thread group of 4, the min / max reduced in registers but for
 # two shuffle stages, in bf16x2 / f16x2) instead of `_minmax_tile`'s: 1 in the tuned launches (a TurboQuant key side,
 # d <= 128: 4bit_nc, k3v4_nc, 3bit_nc), 2 every such side (`minmax_rows`), 0 never. MINMAX_ROWS_CONTIG: a thread's
