@@ -160,11 +160,6 @@ MINMAX_ROWS_CONTIG = 1
 # 46.24 -> 46.69, k3v4_nc 46.11 -> 46.43). With 16-bit words only, tq3's 4-bit keys still lost (54.30 -> 55.36 /
 # 50.18 -> 51.32; 4bit_nc 43.23 -> 43.07 / 39.68 -> 39.60, tq_k4v4_nc 59.62 -> 58.37 / 55.28 -> 54.01), hence the rule
 ASM_STORE = 1
-# L2 prefetch one wave ahead (`_prefetch_ahead`): each program first asks L2 for the K / V rows of the program
-# AHEAD x (SMs) launch slots after its own (grid order: tiles, heads, sides), so that program's first loads find
-# them there instead of waiting the whole DRAM latency (ncu, H200, 4bit_nc: a third of the store's stall samples
-# wait on the programs' first row loads). 0: off; the number of programs resident per SM, from the launch shape.
-PREFETCH_AHEAD = 0
 # The register cap of 4bit_nc-like launches (one TurboQuant side in the 16 x 2 launch) when the sides split
 SPLIT_ONE_SIDE_MAXNREG = 64
 _CMP_PTX = (
@@ -1150,7 +1145,6 @@ def _store_kv_kernel(
     O2: tl.constexpr, W2: tl.constexpr, O3: tl.constexpr, W3: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, SIGNS: tl.constexpr,
     SAT: tl.constexpr, SPLIT: tl.constexpr, LOAD_BY_TOKEN: tl.constexpr, KROWS: tl.constexpr, VROWS: tl.constexpr,
-    PREFETCH: tl.constexpr, AQ, AR,
 ):  # fmt: skip
     # `split_sides`, `SPLIT_ORDER`: SPLIT 1 / 2: grid axis 2 picks the side, CUDA starting the key (1) or the value
     # (2) programs first; 3: axis 0 holds 2 programs per token tile, keys and values interleaved
@@ -1161,8 +1155,6 @@ def _store_kv_kernel(
         t0 = tl.program_id(0) * BT
         side = tl.program_id(2) if SPLIT != 2 else 1 - tl.program_id(2)
     h = tl.program_id(1)
-    if PREFETCH:
-        _prefetch_ahead(k_ptr, v_ptr, stride_kt, stride_vt, T, AQ, AR, HKV, D, BT, SPLIT)
     if SPLIT:
         if side == 0:
             ld_ok, ok, tokp = _rows(slot_ptr, T, t0, h, HKV, BS, BT, LOAD_BY_TOKEN)
@@ -1186,40 +1178,6 @@ def _store_kv_kernel(
                     had_ptr, gain_ptr, VMODE, VBITS, VGS, SCALE_MODE, VNCELL, VHALFC, VCS, VLUT, VCMP, VLANES,
                     SEARCH, NGAIN, NSPLIT, D, DP, BT, C, W, G0, NT, O1, W1, O2, W2, O3, W3,
                     B0, B1, B2, B3, SIGNS, SAT, VROWS)  # fmt: skip
-
-
-_PREFETCH_PTX = tl.constexpr("""{
-.reg .pred p;
-setp.ne.b32 p, $2, 0;
-@p prefetch.global.L2 [$1];
-mov.u32 $0, 0;
-}""")
-
-
-@triton.jit
-def _prefetch_ahead(k_ptr, v_ptr, stride_kt, stride_vt, T, AQ, AR, HKV: tl.constexpr, D: tl.constexpr,
-                    BT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
-    """`PREFETCH_AHEAD`: L2 prefetches of the rows of the program AQ x (grid axis 0) + AR launch slots later (grid
-    order: axis 0 the token tiles, then the heads, then the sides where they split, keys first), one per 128-byte
-    line; past the grid, none. Both sides' rows where a program stores both."""
-    nt = tl.num_programs(0)
-    q = tl.program_id(1) + HKV * tl.program_id(2) + AQ  # the target's (head, side) and tile
-    t0 = tl.program_id(0) + AR
-    q = tl.where(t0 >= nt, q + 1, q)
-    t0 = tl.where(t0 >= nt, t0 - nt, t0)
-    side = q // HKV
-    t = t0 * BT + tl.arange(0, BT)
-    lines = tl.arange(0, D * 2 // 128) * 64  # bf16 / fp16 elements per line
-    off = (q % HKV) * D + lines[None, :]
-    ok = (t < T)[:, None] & (side < (2 if SPLIT else 1)) & (lines[None, :] < D)
-    if _ASM:
-        kp = k_ptr + t[:, None].to(tl.int64) * stride_kt + off
-        vp = v_ptr + t[:, None].to(tl.int64) * stride_vt + off
-        p = kp if SPLIT == 0 else tl.where(side == 0, kp, vp)
-        tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l,r", [p, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-        if SPLIT == 0:
-            tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l,r", [vp, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
-                                      pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -1540,13 +1498,6 @@ def _launch_shape(plan: StorePlan) -> tuple[int, int, int | None]:
     return 16, 4, None
 
 
-def _ahead(device: torch.device) -> int:
-    """`_prefetch_ahead`'s distance in launch slots: PREFETCH_AHEAD x the SMs, or 0 (off; the interpreter)."""
-    if not PREFETCH_AHEAD or device.type != "cuda":
-        return 0
-    return PREFETCH_AHEAD * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _tq_sides(plan: StorePlan) -> int:
     """How many of the two sides are TurboQuant (tiled or dense)."""
     return sum(side[0] in (TQ, TQ_DENSE) for side in plan.sides)
@@ -1661,7 +1612,6 @@ def store_kv(
     (km, kb, *_), (vm, vb, *_) = plan.sides
     kgs, vgs = (-2 if asm_store(plan, i) else plan.group[i] or 0 for i in (0, 1))
     split = SPLIT_ORDER if split_sides(plan) else 0
-    ahead = _ahead(k.device) if split < 2 else 0
     grid = (triton.cdiv(T, bt) * (2 if split == 3 else 1), hkv, 2 if split in (1, 2) else 1)
     _store_kv_kernel[grid](
         k, v, k.stride(0), v.stride(0), slot_mapping, T, *args, rot, had,
@@ -1677,7 +1627,6 @@ def store_kv(
         O3=rest[2][0], W3=rest[2][1], B0=w * g0, B1=rest[0][1], B2=rest[1][1], B3=rest[2][1],
         SIGNS=sign_mode(plan), SAT=bool(SAT_INDEX), SPLIT=split, LOAD_BY_TOKEN=bool(LOAD_BY_TOKEN),
         KROWS=minmax_rows(plan, 0), VROWS=minmax_rows(plan, 1),
-        PREFETCH=ahead > 0, AQ=ahead // triton.cdiv(T, bt), AR=ahead % triton.cdiv(T, bt),
         num_warps=warps,
         **({"maxnreg": regs} if regs else {}),
     )  # fmt: skip
