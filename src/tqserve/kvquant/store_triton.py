@@ -932,6 +932,19 @@ def _tq_side(
 
 
 @triton.jit
+def _minmax_scale(lo, hi, LEVELS: tl.constexpr):
+    """(zero, scale, 1 / scale, 0.5 - zero / scale) of the rows' minima lo and maxima hi (float32), as
+    `reference.minmax_encode`'s float32 steps round them: zero and scale rounded to fp16, the scale the range
+    times RN(1 / LEVELS), then the IEEE reciprocal and the offset, so that each element takes one multiply and
+    one add (no division: it cost the kernel ~15% of its instructions); `_mul_rn` keeps the compiler from
+    fusing them into an fma."""
+    zero = _fp16_round(lo)
+    sc = _fp16_round(tl.maximum((hi - zero) * (1.0 / LEVELS), 5.960464477539063e-08))
+    inv = _rcp_rn(sc)
+    return zero, sc, inv, 0.5 - _mul_rn(zero, inv)
+
+
+@triton.jit
 def _minmax_tile(
     xr, dmask, tok_ok, tokp, pay_ptr, sc_ptr, zr_ptr, BITS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
     DP: tl.constexpr, GS: tl.constexpr, SAT: tl.constexpr,
@@ -941,14 +954,7 @@ def _minmax_tile(
     # row min / max in the input dtype (exact; two bf16 / fp16 lanes per instruction)
     lo = tl.min(tl.where(dmask[None, :], xr, float("inf")), 1).to(tl.float32)
     hi = tl.max(tl.where(dmask[None, :], xr, float("-inf")), 1).to(tl.float32)
-    zero = _fp16_round(lo)
-    # `reference.minmax_encode`'s float32 steps, each rounded as torch rounds it: the scale is
-    # the range times RN(1 / LEVELS), then per row the IEEE reciprocal and the offset 0.5 -
-    # zero / scale, per element one multiply and one add (no division: it cost the kernel
-    # ~15% of its instructions); `_mul_rn` keeps the compiler from fusing them into an fma
-    sc = _fp16_round(tl.maximum((hi - zero) * (1.0 / LEVELS), 5.960464477539063e-08))
-    inv = _rcp_rn(sc)
-    off = 0.5 - _mul_rn(zero, inv)
+    zero, sc, inv, off = _minmax_scale(lo, hi, LEVELS)
     if SAT and _ASM:  # `SAT_INDEX`
         sb = 1.0 / (LEVELS + 1)
         idx = _sat_index(xr.to(tl.float32), (inv * sb)[:, None], (off * sb)[:, None], BITS)
@@ -1010,10 +1016,7 @@ def _minmax_rows(
     xm = xr if _ASM else xr.to(tl.float32)
     lo = tl.reduce(tl.reduce(tl.reduce(xm, 3, _minimum), 2, _minimum), 0, _minimum).to(tl.float32)  # [BT]
     hi = tl.reduce(tl.reduce(tl.reduce(xm, 3, _maximum), 2, _maximum), 0, _maximum).to(tl.float32)
-    zero = _fp16_round(lo)
-    sc = _fp16_round(tl.maximum((hi - zero) * (1.0 / LEVELS), 5.960464477539063e-08))
-    inv = _rcp_rn(sc)
-    off = 0.5 - _mul_rn(zero, inv)
+    zero, sc, inv, off = _minmax_scale(lo, hi, LEVELS)
     x = xr.to(tl.float32)
     if SAT and _ASM:  # `SAT_INDEX`
         sb = 1.0 / (LEVELS + 1)
