@@ -341,47 +341,6 @@ def shfl_slices(codebook16, bits: int, join: bool = False) -> tuple[str, str, st
     return tuple(out)
 
 
-LDS_TABLE_BYTES = 1024  # `lds_pair_slices`' table: 256 fp16x2 entries past the kernel's own shared memory
-
-
-def _lds_table_base() -> str:
-    """PTX setting `b` to the pair table's shared address: the last LDS_TABLE_BYTES of the launch's dynamic
-    shared memory, which the launcher reserves past the compiler's own allocation (`narrow.reserve_shared`)."""
-    return (
-        "mov.u32 b, global_smem;\nmov.u32 t, %dynamic_smem_size;\nadd.u32 b, b, t;\n"
-        f"sub.u32 b, b, {LDS_TABLE_BYTES};\n"
-    )
-
-
-def lds_pair_slices(codebook16) -> tuple[tuple[str, str, str, str], str]:
-    """((PTX of slice j = 0..3), PTX of the table writer) for 4-bit codebook keys by pair lookups in shared
-    memory: the table holds (c[e & 15], c[e >> 4]) as fp16x2 for every byte e, so byte j of a register of
-    two words (four bytes, two codes each) is one shifted, masked address and one 32-bit shared load: 1.5
-    instructions per code against the shuffles' 2.4 (a shift for every code but the first of a register, a
-    shuffle each, a join per two). The two codes of a byte are adjacent coordinates, so slice j of the
-    register of words (g, g + 1) holds coordinates 4 g + 2 j and 4 g + 2 j + 1 at dot positions g, g + 1:
-    the query's slices follow that order (`narrow._q_cols` / `_park_q4` with KPAIR). The writer runs once
-    per program (one warp: lane l writes entries l + 32 i, shuffling c[(l >> 4) + 2 i] from the lane table
-    of `shfl_slices`) and ends with a barrier."""
-    setup = shfl_slices(codebook16, 4)[0]
-    table = setup[setup.index("{\n") + 2 : setup.index("mov.b32 xa")]  # declarations and the lane table tb
-    writer = "{\n" + table + ".reg .b32 base, i, hv, e;\n"
-    writer += _lds_table_base().replace("mov.u32 b,", "mov.u32 base,").replace(" b, b, ", " base, base, ")
-    writer = writer.replace("mov.u32 t, %dynamic_smem_size;\nadd.u32 base, base, t;", "mov.u32 i, %dynamic_smem_size;\nadd.u32 base, base, i;")
-    writer += "shl.b32 i, l, 2;\nadd.u32 base, base, i;\nshr.u32 m, l, 4;\n"
-    for i in range(8):
-        writer += f"add.u32 i, m, {2 * i};\nshfl.sync.idx.b32 hv, tb, i, 0x1f, 0xffffffff;\n"
-        writer += f"prmt.b32 e, tb, hv, 0x5410;\nst.shared.b32 [base+{128 * i}], e;\n"
-    writer += "bar.sync 0;\nmov.b32 $0, 0;\n}"
-    out = []
-    for j in range(4):
-        body = "{\n.reg .b32 t, b;\n" + _lds_table_base()
-        body += "shl.b32 t, $1, 2;\n" if j == 0 else f"shr.u32 t, $1, {8 * j - 2};\n"
-        body += "and.b32 t, t, 0x3fc;\nadd.u32 t, t, b;\nld.shared.b32 $0, [t];\n}"
-        out.append(body)
-    return tuple(out), writer
-
-
 def shfl_slices_b8(codebook16) -> tuple[str, str, str, str]:
     """PTX of slice j = 0..3 for 2-bit codebook codes in 8-bit words, four words per register (pack=4,
     `_asm_slice4`): $2 holds four words (bytes), $0 / $1 get fp16x2 (c[idx_j of words 0, 1]),

@@ -66,9 +66,6 @@ from tqserve.attention.paged_decode import (
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
 ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
-# 4-bit codebook keys by pair lookups in a 1 KB shared-memory table (`key_lds`: one shared load per two codes,
-# 1.5 instructions per code) instead of warp shuffles (2.4); 0: shuffles. Experimental, being timed.
-KEY_LDS = 0
 # 32-bit page rows and addresses (`paged.rows32`) where every page tensor is under 2 GiB; 0: 64-bit always.
 # With the unsigned block-table arithmetic of `_tile_rows`, sm_90 4bit_nc decode loop 888 -> 820 (unsigned)
 # -> 789 (32-bit) instructions per 32-key tile. H200, CUDA-graph replays, medians of 3 rounds, signed / unsigned
@@ -321,36 +318,6 @@ WAVE_FILL = 1.0
 MAX_SPLITS = NARROW_MAX_SPLITS
 GUESS_PER_SM = {32: 16, 64: 8, 128: 4}
 _RESIDENT: dict[tuple, int] = {}  # launch key -> resident programs per SM of its compiled kernel
-
-
-def key_lds(layout, head_dim: int, max_query_len: int) -> bool:
-    """Whether 4-bit codebook keys decode by pair lookups in shared memory (`KEY_LDS`,
-    `paged_decode.lds_pair_slices`): where the query slices are loaded (`_q_cols`) or parked (`_park_q4`),
-    so they can take the pairs' coordinate order; not where the kernel holds its rotated query."""
-    if not KEY_LDS or layout.key_bits != 4 or paged_decode.slices(4) != 4:
-        return False
-    return not rotates_query(layout, head_dim, max_query_len) or parks_query(layout, head_dim, max_query_len)
-
-
-def _lds_asm(layout) -> tuple[tuple[str, str, str, str], str]:
-    """`paged_decode.lds_pair_slices` of the layout's 4-bit key codebook (cached on the layout)."""
-    cache = layout.__dict__.setdefault("_asm_cache", {})
-    if "lds_pairs" not in cache:
-        from tqserve.kvquant.reference import tq_codebook
-
-        cache["lds_pairs"] = paged_decode.lds_pair_slices(tq_codebook(4, layout.head_dim)[0].half())
-    return cache["lds_pairs"]
-
-
-def reserve_shared(kernel, nbytes: int) -> None:
-    """Launch `kernel` with `nbytes` of dynamic shared memory past the compiler's own allocation (the pair
-    table of `key_lds`, addressed from the end of the launch's shared memory); once per compiled kernel."""
-    if getattr(kernel, "_tq_reserved", 0) == nbytes:
-        return
-    m = kernel.metadata
-    kernel.metadata = m._replace(shared=m.shared + nbytes)
-    kernel.packed_metadata = (m.num_warps, m.num_ctas, m.shared + nbytes)
-    kernel._tq_reserved = nbytes
 
 
 def eligible(layout, max_query_len: int, group: int) -> bool:
@@ -610,32 +577,17 @@ def plan(
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
-    key += (tail_mask(layout, head_dim, max_query_len), paged_decode.LOOKUP, key_lds(layout, head_dim, max_query_len))
+    key += (tail_mask(layout, head_dim, max_query_len), paged_decode.LOOKUP)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
 
 
 @triton.jit
-def _slice_coords(K: tl.constexpr, j: tl.constexpr, S: tl.constexpr, KPAIR: tl.constexpr):
-    """The coordinates of slice j's K dot positions g: S g + j, or with KPAIR (4-bit keys by pair lookups,
-    `paged_decode.lds_pair_slices`) 4 (g & ~1) + 2 j + (g & 1): positions g, g + 1 of the register of words
-    g, g + 1 hold the two codes of its byte j."""
-    g = tl.arange(0, K)
-    if KPAIR:
-        return 4 * (g & ~1) + 2 * j + (g & 1)
-    return g * S + j
-
-
-@triton.jit
-def _q_cols(
-    q_ptr, tok, hq, h_ok, j: tl.constexpr, qk_scale, S: tl.constexpr, D: tl.constexpr, OUT_T: tl.constexpr,
-    KPAIR: tl.constexpr = False,
-):  # fmt: skip
-    """Slice j of the group's queries, transposed: [d / S, N] (coordinates S g + j of each head; with KPAIR the
-    pair lookups' order, `_slice_coords`)."""
-    g = _slice_coords(D // S, j, S, KPAIR)
-    x = tl.load(q_ptr + tok + hq[None, :] * D + g[:, None], mask=h_ok[None, :], other=0.0)
+def _q_cols(q_ptr, tok, hq, h_ok, j: tl.constexpr, qk_scale, S: tl.constexpr, D: tl.constexpr, OUT_T: tl.constexpr):
+    """Slice j of the group's queries, transposed: [d / S, N] (coordinates S g + j of each head)."""
+    g = tl.arange(0, D // S)
+    x = tl.load(q_ptr + tok + hq[None, :] * D + g[:, None] * S + j, mask=h_ok[None, :], other=0.0)
     return (x.to(tl.float32) * qk_scale).to(OUT_T)
 
 
@@ -753,7 +705,7 @@ def _rot_q4(
 
 
 @triton.jit
-def _park_q4(obase, h_ok, q0, q1, q2, q3, D: tl.constexpr, KPAIR: tl.constexpr = False):
+def _park_q4(obase, h_ok, q0, q1, q2, q3, D: tl.constexpr):
     """The rotated slices written to this program's output rows obase ([1, N] pointers; the split's
     partial or the output itself, which the kernel writes last) in their own dtype, bit for bit, and
     read back: the barrier keeps the compiler from forwarding them, so the loop takes the slices in
@@ -766,10 +718,10 @@ def _park_q4(obase, h_ok, q0, q1, q2, q3, D: tl.constexpr, KPAIR: tl.constexpr =
     tl.store(base + g4 + 2, q2, mask=m)
     tl.store(base + g4 + 3, q3, mask=m)
     tl.debug_barrier()
-    r0 = tl.load(base + _slice_coords(D // 4, 0, 4, KPAIR)[:, None], mask=m, other=0.0)
-    r1 = tl.load(base + _slice_coords(D // 4, 1, 4, KPAIR)[:, None], mask=m, other=0.0)
-    r2 = tl.load(base + _slice_coords(D // 4, 2, 4, KPAIR)[:, None], mask=m, other=0.0)
-    r3 = tl.load(base + _slice_coords(D // 4, 3, 4, KPAIR)[:, None], mask=m, other=0.0)
+    r0 = tl.load(base + g4, mask=m, other=0.0)
+    r1 = tl.load(base + g4 + 1, mask=m, other=0.0)
+    r2 = tl.load(base + g4 + 2, mask=m, other=0.0)
+    r3 = tl.load(base + g4 + 3, mask=m, other=0.0)
     return r0, r1, r2, r3
 
 
@@ -1048,10 +1000,9 @@ def _narrow_decode_kernel(
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
     DEFER_SUMS: tl.constexpr, LANE_SUMS: tl.constexpr, KPT: tl.constexpr,
-    TAIL_MASK: tl.constexpr, KTAB: tl.constexpr,
+    TAIL_MASK: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
-    KPAIR: tl.constexpr = KTAB != ""  # 4-bit keys by pair lookups in shared memory (`key_lds`)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
     # the values' own space and the exact-pairs split is a split like the others
     NPART: tl.constexpr = 2 if HAS_EXACT and not VROT else 1
@@ -1105,20 +1056,18 @@ def _narrow_decode_kernel(
     elif QROT:
         q0, q1, q2, q3 = _rot_q4(q_ptr, r_ptr, h_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
         if PARKQ and pk_t.primitive_bitwidth <= out_ptr.dtype.element_ty.primitive_bitwidth:
-            q0, q1, q2, q3 = _park_q4(obase, h_ok, q0, q1, q2, q3, D, KPAIR)
+            q0, q1, q2, q3 = _park_q4(obase, h_ok, q0, q1, q2, q3, D)
     else:
-        q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t, KPAIR)
-        q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t, KPAIR)
-        q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SK, D, pk_t, KPAIR)
-        q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SK, D, pk_t, KPAIR)
+        q0 = _q_cols(q_ptr, tok, hq, h_ok, 0, qk_scale, SK, D, pk_t)
+        q1 = _q_cols(q_ptr, tok, hq, h_ok, 1, qk_scale, SK, D, pk_t)
+        q2 = _q_cols(q_ptr, tok, hq, h_ok, 2, qk_scale, SK, D, pk_t)
+        q3 = _q_cols(q_ptr, tok, hq, h_ok, 3, qk_scale, SK, D, pk_t)
         if SK == 8:
             q4 = _q_cols(q_ptr, tok, hq, h_ok, 4, qk_scale, SK, D, pk_t)
             q5 = _q_cols(q_ptr, tok, hq, h_ok, 5, qk_scale, SK, D, pk_t)
             q6 = _q_cols(q_ptr, tok, hq, h_ok, 6, qk_scale, SK, D, pk_t)
             q7 = _q_cols(q_ptr, tok, hq, h_ok, 7, qk_scale, SK, D, pk_t)
 
-    if KPAIR:  # the pair table, written once per program (one warp; the writer ends with a barrier)
-        tl.inline_asm_elementwise(KTAB, "=r,r", [tl.arange(0, 32)], dtype=tl.int32, is_pure=False, pack=1)
     m_i = tl.full([N], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([N], dtype=tl.float32)
     a0 = tl.zeros([KV, N], dtype=tl.float32)
@@ -1152,10 +1101,10 @@ def _narrow_decode_kernel(
         elif QROT:
             r0, r1, r2, r3 = _rot_q4(q_ptr, r_ptr, h_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16)
         else:
-            r0 = _q_cols(q_ptr, tok2, hq2, h_ok2, 0, qk_scale, SK, D, pk_t, KPAIR)
-            r1 = _q_cols(q_ptr, tok2, hq2, h_ok2, 1, qk_scale, SK, D, pk_t, KPAIR)
-            r2 = _q_cols(q_ptr, tok2, hq2, h_ok2, 2, qk_scale, SK, D, pk_t, KPAIR)
-            r3 = _q_cols(q_ptr, tok2, hq2, h_ok2, 3, qk_scale, SK, D, pk_t, KPAIR)
+            r0 = _q_cols(q_ptr, tok2, hq2, h_ok2, 0, qk_scale, SK, D, pk_t)
+            r1 = _q_cols(q_ptr, tok2, hq2, h_ok2, 1, qk_scale, SK, D, pk_t)
+            r2 = _q_cols(q_ptr, tok2, hq2, h_ok2, 2, qk_scale, SK, D, pk_t)
+            r3 = _q_cols(q_ptr, tok2, hq2, h_ok2, 3, qk_scale, SK, D, pk_t)
             if SK == 8:
                 r4 = _q_cols(q_ptr, tok2, hq2, h_ok2, 4, qk_scale, SK, D, pk_t)
                 r5 = _q_cols(q_ptr, tok2, hq2, h_ok2, 5, qk_scale, SK, D, pk_t)
@@ -1462,17 +1411,12 @@ def launch(
     htab = None
     if rot is not None and rotation16(layout, d, meta.max_query_len, q.dtype, dot_f32):
         htab = hadamard_table(d // slices(layout.key_bits), q.dtype, q.device)
-    ktab = ""
-    if kasm[0] and warps == 1 and key_lds(layout, d, meta.max_query_len):
-        kasm, ktab = _lds_asm(layout)
-    args = (
+    kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
         vrot if vrot is not None else qx, htab if htab is not None else qx,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
         qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
-    )  # fmt: skip
-    kwargs = dict(
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_first, N2=n_second, NX=n_cols, D=d,
         BS=kp.shape[2], BLOCK_N=block_n,
         KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits,
@@ -1490,11 +1434,8 @@ def launch(
         DEFER_SUMS=defer_sums(layout, d, n_cols),
         LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
         TAIL_MASK=tail_mask(layout, d, meta.max_query_len),
-        num_warps=warps, num_stages=stages, KTAB=ktab, **({"maxnreg": key[-1]} if key[-1] else {}),
+        num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
-    if ktab:  # the table lives past the compiler's shared memory: reserve it before the first launch
-        reserve_shared(_narrow_decode_kernel.warmup(*args, grid=grid, **kwargs), paged_decode.LDS_TABLE_BYTES)
-    kernel = _narrow_decode_kernel[grid](*args, **kwargs)
     LAST_LAUNCH["kernel"] = kernel
     if key not in _RESIDENT and not _interpreting() and hasattr(kernel, "n_regs"):
         _record_occupancy(key, kernel, warps, q.device)
