@@ -99,9 +99,14 @@ def test_eligibility(monkeypatch):
         assert paged_decode.eligible(lay(p), 5, 128, group=4), p  # verify: 8 x 4 rows
         assert not paged_decode.eligible(lay(p), 5, 128, group=8), p  # 64 rows: the general kernel
         assert not paged_decode.eligible(lay(p), 9, 128), p  # past MAX_QUERY_LEN
-    # dense keys, exact pages: the general kernel
-    for p in ["turboquant_k8v4", "fp8", "auto"]:
-        assert not paged_decode.eligible(lay(p), 1, 128), p
+    # exact pages: the general kernel; fp8 sides: the narrow kernel (`FP8_NARROW`), else the general one
+    assert not paged_decode.eligible(lay("auto"), 1, 128), "auto"
+    for p in ["turboquant_k8v4", "fp8"]:
+        assert paged_decode.eligible(lay(p), 1, 128, group=4) and paged_decode.eligible(lay(p), 5, 128, group=4), p
+        assert paged_decode.eligible(lay(p, 64), 1, 64, group=4), p
+        with monkeypatch.context() as m:
+            m.setattr(paged_decode, "FP8_NARROW", 0)
+            assert not paged_decode.eligible(lay(p), 1, 128, group=4), p
     # 5-bit keys: the narrow kernel's 8-code groups as for 3-bit codes (d >= 128), unless NARROW_KEYS5 is off
     for p in ["tq4", "tq4s"]:
         assert paged_decode.eligible(lay(p), 1, 128, group=4) and paged_decode.eligible(lay(p), 5, 128, group=4), p
@@ -772,7 +777,11 @@ def test_narrow_3bit_gpu_real_sizes(preset, hq, hkv, d, narrow_spy):
     ("lookup", "pair_tables", "join"), [("shfl", 1, 1), ("prmt", 1, 1), ("shfl", 2, 1), ("shfl", 1, 0), ("shfl", 1, 2)]
 )
 @pytest.mark.parametrize(
-    "preset", ["turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3]
+    "preset",
+    [
+        *("turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3),
+        *("fp8", "turboquant_k8v4"),
+    ],
 )
 @pytest.mark.parametrize(("qlen", "narrow_on"), [(1, True), (1, False), (5, True), (5, False)])
 def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, narrow_on, monkeypatch):
@@ -780,8 +789,8 @@ def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, nar
     magic-number min-max values; shuffled pairs joined by a permute or an add, `join` = JOIN_ADD) must produce
     the fp16 operands bit for bit: outputs identical to the gather path on the same pages, for decode (both
     kernels) and for verify rows (tq3's through the narrow kernel too)."""
-    if preset in NARROW3 and not narrow_on:
-        pytest.skip("3-bit codes have no decoders outside the narrow kernel")
+    if preset in (*NARROW3, "fp8", "turboquant_k8v4") and not narrow_on:
+        pytest.skip("3-bit codes and fp8 sides have no decoders outside the narrow kernel")
     if pair_tables == 2 and preset not in ("tq3", "tq_k2v4_nc", "tq_k4v2_nc", "tq_k3v2_ub"):
         pytest.skip("PAIR_TABLES = 2 changes only 2-bit codebook decoders")
     by_default = preset in ("tq_k4v4_nc", "tq_k4v4_ub") and qlen == 1  # `join_add` at JOIN_ADD = 1

@@ -56,6 +56,11 @@ def run_ptx(block: str, inputs: dict[str, list[int]], outputs: list[str]) -> dic
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        if rest.startswith("{"):  # mov.b32 {lo, hi}, src: a register's 16-bit halves
+            lo, hi, src = (x.strip(" {}") for x in rest.split(","))
+            for lane in range(32):
+                regs[lane][lo], regs[lane][hi] = _halves(regs[lane][src])
+            continue
         args = [x.strip() for x in rest.split(",")]
         if op.startswith("shfl.sync.idx"):
             src = [regs[lane][args[1]] for lane in range(32)]
@@ -82,6 +87,10 @@ def run_ptx(block: str, inputs: dict[str, list[int]], outputs: list[str]) -> dic
                 r = v[0] * v[1]
             elif op.startswith("mad.lo"):
                 r = v[0] * v[1] + v[2]
+            elif op == "cvt.rn.f16x2.e4m3x2":  # two e4m3 bytes (low one first) -> f16x2
+                e = torch.tensor([v[0] & 0xFF, (v[0] >> 8) & 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)
+                h = e.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+                r = int(h[0]) | int(h[1]) << 16
             elif op.startswith("add.rn.f16x2"):
                 h = [np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16) for x in v]
                 r = int((h[0] + h[1]).view(np.uint16).astype(np.uint32) @ np.array([1, 1 << 16], dtype=np.uint32))
@@ -182,6 +191,21 @@ def _inline_selp(block: str) -> str:
         return f"xor.b32 {d}, {x}, {y};\nand.b32 {d}, {d}, pm;\nxor.b32 {d}, {d}, {y};\n"
 
     return re.sub(r"selp\.b32 (\w+), (\w+), (\w+), p;\n", sel, block)
+
+
+def test_fp8_decoders():
+    """`fp8_slices`: slice j of two words is (e4m3 byte j of the first, of the second) as f16x2, exactly the
+    fp16 value of each byte (the gathers' table, `fp8_table`), for random words without NaN bytes."""
+    table = [int(v) & 0xFFFF for v in paged_decode.fp8_table("cpu", torch.float16).view(torch.int16)]
+    rng = np.random.default_rng(3)
+    nan_free = [b for b in range(256) if b & 0x7F != 0x7F]  # e4m3fn NaN: S.1111.111 (the store never writes it)
+    for j, block in enumerate(paged_decode.fp8_slices()):
+        for _ in range(16):
+            words = [[int.from_bytes(bytes(rng.choice(nan_free, 4)), "little") for _ in range(32)] for _ in range(2)]
+            got = run_ptx(block, {"$1": words[0], "$2": words[1]}, ["$0"])["$0"]
+            for lane in range(32):
+                want = tuple(table[(w[lane] >> 8 * j) & 0xFF] for w in words)
+                assert _halves(got[lane]) == want, (j, lane)
 
 
 @pytest.mark.parametrize("bits", [2, 4])

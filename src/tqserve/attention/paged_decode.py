@@ -33,12 +33,15 @@ the narrow kernel's columns) and serves everything with `paged_decode_narrow.ENA
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from tqserve.attention.finish import finish_parts
 from tqserve.attention.paged import (
     CODEBOOK,
+    DENSE,
     LAST_LAUNCH,
     LOG2E,
     MINMAX,
@@ -53,6 +56,9 @@ from tqserve.attention.paged import (
 )
 from tqserve.attention.rotate import rotate_rows
 from tqserve.attention.tuning import MAX_SPLITS, group_pad
+
+if TYPE_CHECKING:
+    import torch
 
 ENABLED = True  # benchmarks / tests switch the sliced path off to compare with the general kernel
 MIN_HEAD_DIM = 64  # smallest head size dispatched here
@@ -169,6 +175,10 @@ MINMAX3_ASM = 0
 # (12); as planned (bytes: 167 registers, 12 programs per SM, 6 splits; words: 139, 14, 7 splits)
 # 0.856 vs 1.180 - most of that is the split count: 7 splits cost the words 1.169 ms, 6 only 0.883.
 MINMAX3_BYTES = 1
+# fp8 (e4m3) keys and / or values decode steps in the narrow kernel (`fp8_side`: words of four bytes, four slices
+# like 4-bit codes, each byte pair converted by one `cvt.rn.f16x2.e4m3x2`, `fp8_slices`) instead of the general
+# kernel (`attention/paged.py`); 0: the general kernel, for A/B timing.
+FP8_NARROW = 1
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 S3 = 8  # 3-bit codes: a 24-bit group of 8 (3 bytes of the bit stream), narrow kernel only
 # 5-bit keys (tq4's) in the narrow kernel: groups of 8 codes as two 20-bit halves cut from 32-bit words
@@ -201,6 +211,40 @@ def program_rows(max_query_len: int, group: int) -> int:
     return max(16, triton.next_power_of_2(max(1, max_query_len)) * gp)
 
 
+def fp8_side(layout, side: str) -> bool:
+    """Whether a layout's keys ("k") or values ("v") are fp8 (dense 8-bit pages, with or without a scale)."""
+    mode, bits = (layout.key_mode, layout.key_bits) if side == "k" else (layout.val_mode, layout.val_bits)
+    return mode == DENSE and bits == 8
+
+
+def fp8_table(device, dtype) -> torch.Tensor:
+    """The 256 e4m3 values by byte, in `dtype` (every e4m3 value is exact in fp16 and float32): the
+    interpreter's and float32 models' gathers of fp8 slices (`_cb_slice`). Cached per device and dtype."""
+    import torch
+
+    key = (str(device), dtype)
+    if key not in _FP8_TABLES:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _FP8_TABLES[key] = codes.view(torch.float8_e4m3fn).to(dtype).to(device).contiguous()
+    return _FP8_TABLES[key]
+
+
+_FP8_TABLES: dict = {}
+
+
+def fp8_slices() -> tuple[str, str, str, str]:
+    """PTX of slice j = 0..3 for fp8 (e4m3) sides in 4-byte words, two words per call ($1, $2: words g and g + 1 of
+    a key, or word g of keys n and n + 1): byte j of each word into one 16-bit pair (a byte permute), then
+    one `cvt.rn.f16x2.e4m3x2` (exact: every e4m3 value is an fp16 value). 1 instruction per value."""
+    out = []
+    for j in range(4):
+        body = ".reg .b32 t;\n.reg .b16 h, u;\n"
+        body += f"prmt.b32 t, $1, $2, {(4 + j) << 4 | j:#x};\nmov.b32 {{h, u}}, t;\n"
+        body += "cvt.rn.f16x2.e4m3x2 $0, h;\n"
+        out.append("{\n" + body + "}")
+    return tuple(out)
+
+
 def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
     """Decode and verify steps (up to MAX_QUERY_LEN query tokens per request, programs of at most
     MAX_ROWS rows) over codebook keys and codebook / min-max values whose codes come in 4-coordinate
@@ -216,17 +260,23 @@ def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
     """
     if not ENABLED or max_query_len > MAX_QUERY_LEN or program_rows(max_query_len, group) > MAX_ROWS:
         return False
-    if layout.key_mode != CODEBOOK or layout.val_mode not in (CODEBOOK, MINMAX):
+    fp8 = fp8_side(layout, "k") or fp8_side(layout, "v")
+    if fp8 and not FP8_NARROW:
+        return False
+    if not (layout.key_mode == CODEBOOK or fp8_side(layout, "k")):
+        return False
+    if not (layout.val_mode in (CODEBOOK, MINMAX) or fp8_side(layout, "v")):
         return False
     bits = (layout.key_bits, layout.val_bits)
-    if head_dim & (head_dim - 1) or layout.val_bits not in (2, 3, 4) or layout.key_bits not in (2, 3, 4, 5):
+    if head_dim & (head_dim - 1) or layout.val_bits not in (2, 3, 4, 8) or layout.key_bits not in (2, 3, 4, 5, 8):
         return False
     if layout.key_bits == 5 and not NARROW_KEYS5:
         return False
-    if 3 in bits or 5 in bits:
+    if 3 in bits or 5 in bits or fp8:
         from tqserve.attention import paged_decode_narrow as narrow
 
-        if head_dim // S3 < 16 or not narrow.eligible(layout, max_query_len, group):
+        per_word = S3 if 3 in bits or 5 in bits else S  # coordinates per word (group) of the narrow kernel's slices
+        if head_dim // per_word < 16 or not narrow.eligible(layout, max_query_len, group):
             return False
     return head_dim // S >= 16 and head_dim >= MIN_HEAD_DIM
 
@@ -602,6 +652,8 @@ def _words(
         w = tl.trans(_groups3(ptr, tokp[None, :], nmask, K, NB, True))
     elif WB == 3:  # 3-bit codes (S = 8)
         w = _groups3(ptr, row, nmask, K, NB, TRANS)
+    elif WB == 4:  # fp8 (S = 4): four bytes per int32 word
+        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + row * (NB // 4) + kk, mask=m, other=0)
     elif WB == 1:
         w = tl.load(ptr + row * NB + kk, mask=m, other=0)  # uint8 pages: widening zero-extends
         # RAW: 16-bit words, the byte in the low half (the asm decoders take two per register);
@@ -711,6 +763,8 @@ def _cb_slice(w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr,
         j = j % 4
     if ASM != "" and (BITS == 3 or BITS == 5):
         c = _asm_pairs(w >> (BITS * j), ASM)  # the shuffle reads the code from the low bits
+    elif ASM != "" and BITS == 8:
+        c = _asm_pairs(w, ASM)  # fp8: byte j of two words (`fp8_slices`)
     elif ASM != "":
         c = _asm_slice(w, ASM)
     else:
@@ -737,7 +791,7 @@ def _mm_terms(vsc, vze, VAL_BITS: tl.constexpr):
 def _v_slice(
     w, j: tl.constexpr, cb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr
 ):
-    if VAL_MODE == 1:
+    if VAL_MODE != 2:  # codebook indices, or fp8 bytes (dense 8-bit values)
         return _cb_slice(w, j, cb_ptr, BITS, ASM, OUT_T)
     elif ASM != "" and BITS == 3:
         return _asm_pairs(w >> (BITS * j), ASM).to(OUT_T)  # `minmax_slices3`
@@ -1070,7 +1124,12 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: bool 
     `pairs`: the 2-bit decoders (`pair_tables`; PAIR_TABLES when None); `join`: `join_add`."""
     pairs = PAIR_TABLES if pairs is None else pairs
     none = ("", "", "", "")
-    if _interpreting() or LOOKUP == "gather" or not layout.key_cb16.is_cuda:
+    if _interpreting() or LOOKUP == "gather":
+        return none
+    if fp8_side(layout, side):
+        return fp8_slices()
+    cb = layout.key_cb16 if layout.key_cb16 is not None else layout.val_cb16
+    if cb is not None and not cb.is_cuda:
         return none
     if side == "v" and layout.val_mode == MINMAX:
         if LOOKUP != "shfl" or bits == 3 and not MINMAX3_ASM:
@@ -1197,7 +1256,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     qx = q
     model_f32 = qx.dtype == torch.float32
     rot_in_kernel = use_narrow and narrow.rotates_query(layout, d, meta.max_query_len)
-    if not rot_in_kernel:
+    if not rot_in_kernel and layout.key_rotation is not None:
         q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
     vrot_in_kernel = use_narrow and narrow.unrotates_values(layout, d, meta.max_query_len)
     rotated = layout.rotated_values and not vrot_in_kernel
@@ -1215,10 +1274,16 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
         raise ValueError("layout keeps exact copies but no ring / sink buffers were given")
     rk, rv = ring if ring is not None else (k_new, v_new)
     sk, sv = sinks if sinks is not None else (k_new, v_new)
-    ks = pages[layout.key_scale_name]
-    vs = pages[layout.val_scale_name]
+    # unscaled sides (fp8 cast) take another side's scalars as a placeholder the kernel does not read
+    some_scale = layout.key_scale_name or layout.val_scale_name
+    ks = pages[layout.key_scale_name] if layout.key_scale_name else pages[some_scale] if some_scale else kp
+    vs = pages[layout.val_scale_name] if layout.val_scale_name else ks
     vz = pages[layout.val_zero_name] if layout.val_zero_name else vs
     kcb, vcb, _ = centroid_tables(layout, False, model_f32)
+    if fp8_side(layout, "k") or fp8_side(layout, "v"):  # fp8 sides gather from the e4m3 table (no asm)
+        table = fp8_table(dev, torch.float32 if model_f32 else torch.float16)
+        kcb = table if fp8_side(layout, "k") else kcb
+        vcb = table if fp8_side(layout, "v") else vcb
     vcb = vcb if vcb is not None else kcb
     # float32 models gather float32 centroids (the asm decoders make fp16 operands)
     pairs = pair_tables(use_narrow, meta.max_query_len)

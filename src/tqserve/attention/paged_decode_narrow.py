@@ -44,6 +44,7 @@ import triton.language as tl
 from tqserve.attention import paged_decode
 from tqserve.attention.paged import (
     CODEBOOK,
+    DENSE,
     LAST_LAUNCH,
     MINMAX,
     _exact_masks,
@@ -1000,7 +1001,7 @@ def _narrow_decode_kernel(
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
     DEFER_SUMS: tl.constexpr, LANE_SUMS: tl.constexpr, KPT: tl.constexpr,
-    TAIL_MASK: tl.constexpr,
+    TAIL_MASK: tl.constexpr, KSCALED: tl.constexpr, VSCALED: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1157,8 +1158,14 @@ def _narrow_decode_kernel(
             tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
             kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW, KPT)  # [keys, words]
             vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
-            ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
-            vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
+            if KSCALED:  # (fp8 cast keys have no scale)
+                ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
+            else:
+                ksc = tl.full([BLOCK_N], 1.0, tl.float32)
+            if VSCALED:
+                vsc = _scalars(vs_ptr, tokp, nmask, PAIR_SCALARS)
+            else:
+                vsc = tl.full([BLOCK_N], 1.0, tl.float32)
             # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
             k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t)
             s = tl.dot(k, q0, input_precision=PREC)
@@ -1434,6 +1441,7 @@ def launch(
         DEFER_SUMS=defer_sums(layout, d, n_cols),
         LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
         TAIL_MASK=tail_mask(layout, d, meta.max_query_len),
+        KSCALED=layout.key_mode != DENSE or layout.key_scaled, VSCALED=layout.val_mode != DENSE or layout.val_scaled,
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
