@@ -97,7 +97,7 @@ def test_padded_snapshot_rows():
 
 # ---- GPU ---------------------------------------------------------------------------------------------
 
-KV = ["auto", "turboquant_4bit_nc", "tq3", "tq_k5v3_ncs_s4_w44+v4@7.17.23"]
+KV = ["auto", "fp8", "turboquant_4bit_nc", "tq3", "tq_k5v3_ncs_s4_w44+v4@7.17.23"]
 
 
 class _EagerPadded(DecodeGraphs):
