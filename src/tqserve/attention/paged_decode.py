@@ -175,9 +175,13 @@ MINMAX3_ASM = 0
 # (12); as planned (bytes: 167 registers, 12 programs per SM, 6 splits; words: 139, 14, 7 splits)
 # 0.856 vs 1.180 - most of that is the split count: 7 splits cost the words 1.169 ms, 6 only 0.883.
 MINMAX3_BYTES = 1
-# fp8 (e4m3) keys and / or values decode steps in the narrow kernel (`fp8_side`: words of four bytes, four slices
-# like 4-bit codes, each byte pair converted by one `cvt.rn.f16x2.e4m3x2`, `fp8_slices`) instead of the general
-# kernel (`attention/paged.py`); 0: the general kernel, for A/B timing.
+# Decode and verify steps over fp8 (e4m3) keys and / or values in the narrow kernel (`fp8_side`: words of four
+# bytes, four slices as for 4-bit codes, each pair of bytes converted by one `cvt.rn.f16x2.e4m3x2`, `fp8_slices`;
+# fp16 dots, the scale per key on the scores and on p) instead of the general kernel (`attention/paged.py`, rows
+# on M, byte loads and fp16 -> bf16 conversions: 933 sm_90 instructions per tile); 0: the general kernel, for A/B
+# timing. H200, thirty-eighth session, CUDA-graph replays, medians of 3 rounds, ms, general -> narrow: fp8 32 x
+# 32K 1.447 -> 0.509 (0.65x -> 1.84x SDPA, at the copy rate), 1 x 128K 0.196 -> 0.083, 32 x 5 x 32K 1.974 ->
+# 0.569; turboquant_k8v4 1.384 -> 0.406, 0.180 -> 0.070, 1.698 -> 0.531 (64-key tiles or 4 stages: no better).
 FP8_NARROW = 1
 S = 4  # coordinates per packed word: an int8 word of 2-bit codes, an int16 word of 4-bit codes
 S3 = 8  # 3-bit codes: a 24-bit group of 8 (3 bytes of the bit stream), narrow kernel only
@@ -256,7 +260,7 @@ def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
     1 x 128K (1.4-1.9x), verify 32 x 5 x 32K (1.5-1.8x) and SmolLM2's d = 64 (64 x 4K: 1.4x for
     4-bit keys, 1.7x for tq3). 3-bit codes (8-coordinate groups) only where the narrow kernel takes
     the step (it has their slice decoders), with at least 16 groups per token; 5-bit keys likewise with
-    `NARROW_KEYS5` (else the general kernel).
+    `NARROW_KEYS5`, fp8 sides (4-byte words) with `FP8_NARROW` (else the general kernel).
     """
     if not ENABLED or max_query_len > MAX_QUERY_LEN or program_rows(max_query_len, group) > MAX_ROWS:
         return False

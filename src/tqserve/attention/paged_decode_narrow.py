@@ -23,8 +23,9 @@ per register, decoded by byte permutes (`byte_values`, `paged_decode.prmt_slices
 one wave of resident programs (`pick_splits`).
 
 Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_COLS columns over the
-`paged_decode.eligible` layouts (2- / 3- / 4-bit codebook keys, 2- / 3- / 4-bit codebook or min-max
-values). 3-bit codes come in groups of 8 (3 bytes of the bit stream, `paged_decode._groups3`), so
+`paged_decode.eligible` layouts (2- / 3- / 4- / 5-bit codebook or fp8 keys, 2- / 3- / 4-bit codebook or min-max
+or fp8 values; fp8 bytes come in 4-byte words, sliced like 4-bit codes, `paged_decode.fp8_slices`).
+3-bit codes come in groups of 8 (3 bytes of the bit stream, `paged_decode._groups3`), so
 their dots take 8 slices of d / 8 coordinates instead of 4 of d / 4 (SK / SV).
 Layouts with exact sink / window copies (tq3) come here too: the packed loop masks the pairs the
 exact rule claims, and split 0 of every (request, KV head) is a program of its own that reads those
