@@ -661,10 +661,10 @@ def paged_attention(
     dtype. Rows past `meta.num_tokens` (graph padding) are zeroed.
     """
     # ---- extend steps over packed pages: the dedicated many-rows kernel (attention/paged_extend.py)
-    if meta.max_query_len > 16 and layout.packed:
+    if meta.max_query_len > 16:
         from tqserve.attention import paged_extend
 
-        if paged_extend.ENABLED:  # benchmarks switch it off to time this kernel's extend path
+        if paged_extend.takes(layout):  # packed or fp8 pages (benchmarks switch it off to time this kernel's path)
             args = (q, k_new, v_new, pages, layout, meta, scale, ring, sinks, out, num_splits)
             return paged_extend.extend_attention(*args)
     # ---- end of the extend branch

@@ -59,6 +59,15 @@ from tqserve.attention.tuning import group_pad, pick_splits
 
 LAST_LAUNCH: dict = {}  # the last compiled extend kernel (benchmarks read registers / spills)
 ENABLED = True  # paged.paged_attention dispatches extend steps over packed pages here (benchmarks: A/B)
+# ... and over fp8 pages (dense 8-bit keys and values, `fp8` preset: their tiles become fp16 operands here as
+# `turboquant_k8v4`'s fp8 keys do); 0: the general kernel (`attention/paged.py`), for A/B timing
+FP8 = 1
+
+
+def takes(layout) -> bool:
+    """Whether extend steps over this layout come here: packed pages, or fp8 ones (`FP8`)."""
+    fp8 = layout.key_mode == 0 and layout.key_bits == 8 and layout.val_mode == 0 and layout.val_bits == 8
+    return ENABLED and (layout.packed or bool(FP8) and fp8)
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=(), 
     def one(name, c, **extra):
         ms = _bench(c.run)
         tf = flops / (ms * 1e-3) / 1e12
-        ck = paged_extend.LAST_LAUNCH.get("kernel") if paged_extend.ENABLED and c.layout.packed else None
+        ck = paged_extend.LAST_LAUNCH.get("kernel") if paged_extend.takes(c.layout) else None
         regs = (getattr(ck, "n_regs", "?"), getattr(ck, "n_spills", "?")) if ck is not None else ("", "")
         row = {"case": name, "ms": ms, "TFLOPs": tf, "vs_flash_same_shape": tf / flash, "vs_flash_8k": tf / flash_8k}
         row.update(extra, regs=regs[0], spills=regs[1])
@@ -225,7 +225,7 @@ def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=(), 
         c = Case(p, 1, ctx, chunk, hq, hkv, d, dev)
         one(f"paged {p} extend {chunk} over {ctx}", c)
         ref = None
-        if p in old and c.layout.packed:
+        if p in old and paged_extend.takes(c.layout):
             new = c.run().float().clone()
             paged_extend.ENABLED = False
             try:
@@ -243,7 +243,7 @@ def extend_rows(dev, ctx, chunk, presets, hq, hkv, d, flash_8k, rows, sweep=(), 
                 rows[-1]["rel_err_vs_paged_py"] = err
                 print(f"    vs paged.py kernel: rel err {err:.2e}", flush=True)
 
-        if p in sweep and c.layout.packed:
+        if p in sweep and paged_extend.takes(c.layout):
             from tqserve.attention.paged import FAST
 
             FAST["prefetch"] = False
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time decode tile variants")
     ap.add_argument("--only", choices=["extend"], default=None, help="run one section only")
     ap.add_argument("--extend-sweep", action="store_true", help="also time extend kernel tile variants")
-    ap.add_argument("--extend-presets", default="auto,turboquant_4bit_nc,turboquant_3bit_nc,tq4,tq3")
+    ap.add_argument("--extend-presets", default="auto,fp8,turboquant_4bit_nc,turboquant_3bit_nc,tq4,tq3")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         res["sdpa_flash_extend_TFLOPs"] = extend_rows(
             dev, ctx, 2048, args.extend_presets.split(","), hq, hkv, d, flash, rows,
             sweep=("turboquant_4bit_nc", "tq4") if args.extend_sweep else (),
-            old=("turboquant_4bit_nc", "tq4"),
+            old=("turboquant_4bit_nc", "tq4", "fp8"),
         )  # fmt: skip
         res["rows"] = rows
         if args.json:
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     flash = sdpa_flash_tflops(dev)
     res["sdpa_flash_causal_TFLOPs"] = flash
     print(f"sdpa flash causal prefill 8192: {flash:.0f} TFLOP/s", flush=True)
-    ext = [x for x in ("auto", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3") if x in presets]
+    ext = [x for x in ("auto", "fp8", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq4", "tq3") if x in presets]
     res["sdpa_flash_extend_TFLOPs"] = extend_rows(dev, ctx, 2048, ext, hq, hkv, d, flash, rows)
     # ---- store: one call alone (a prefill chunk's slots; every token at a random slot), then the
     # stores of STORE_LAYERS layers back to back, per store
