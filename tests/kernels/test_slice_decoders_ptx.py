@@ -193,6 +193,28 @@ def _inline_selp(block: str) -> str:
     return re.sub(r"selp\.b32 (\w+), (\w+), (\w+), p;\n", sel, block)
 
 
+def test_three_bit_permute_decoders():
+    """`prmt_slices3`: the spread puts code k of a 24-bit group (bits above it random) in nibble k with bit 3
+    clear, and slice j of two spread groups with the selector of byte j // 2 is (c[code j], c[code j]) of
+    the two as f16x2, every slice, random groups."""
+    host = tq_codebook(3, 128)[0].half()
+    table = _cb_bits(3)
+    (even, odd, *_), spread = paged_decode.prmt_slices3(host)
+    rng = np.random.default_rng(4)
+    for _ in range(32):
+        w = [[int(v) for v in rng.integers(0, 1 << 32, 32, dtype=np.uint64)] for _ in range(2)]
+        n = [run_ptx(spread, {"$1": x}, ["$0"])["$0"] for x in w]
+        for lane in range(32):
+            for k in range(8):
+                assert (n[0][lane] >> 4 * k) & 0xF == (w[0][lane] >> 3 * k) & 7
+        for j in range(8):
+            sel = [(j // 2) | (4 + j // 2) << 4] * 32
+            got = run_ptx(even if j % 2 == 0 else odd, {"$1": n[0], "$2": n[1], "$3": sel}, ["$0"])["$0"]
+            for lane in range(32):
+                want = tuple(table[(x[lane] >> 3 * j) & 7] for x in w)
+                assert _halves(got[lane]) == want, (j, lane)
+
+
 def test_fp8_decoders():
     """`fp8_slices`: slice j of two words is (e4m3 byte j of the first, of the second) as f16x2, exactly the
     fp16 value of each byte (the gathers' table, `fp8_table`), for random words without NaN bytes."""

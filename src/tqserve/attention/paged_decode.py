@@ -533,6 +533,40 @@ def shfl_slices3(codebook16) -> tuple[str, str, str, str]:
     return (asm, asm, asm, asm)
 
 
+# 3-bit codebook sides (8 centroids) by byte permutes instead of warp shuffles (`prmt_slices3`): each loaded group of
+# 8 codes is first spread to one code per nibble (7 integer instructions), then two slices of a register pair take a
+# byte permute for the selectors, two table permutes (low and high bytes of the fp16 centroids) and one permute each
+# for their f16x2: 2.1 integer instructions per code and no shuffle, against 2.4 and one shuffle. 0: shuffles.
+PRMT3 = 1
+
+
+def prmt_slices3(codebook16) -> tuple[tuple[str, str, str, str], str]:
+    """((PTX of even slices, of odd slices, even, odd), PTX of the spread) for 3-bit codebook codes. The spread
+    (`_spread3`, one int32 group in, one out) moves code k of the group's 24 bits to bits 4k..4k+2 (bits 4k+3
+    clear: a byte permute's selector nibble). A slice decoder takes two spread groups ($1, $2: groups g, g + 1 of
+    a key, or group g of keys n, n + 1) and a selector ($3) naming byte j // 2 of each, which holds codes j
+    and j + 1 (j even): s = those two bytes, then the low and the high bytes of c[code] for the four nibbles of s
+    by one permute each from the codebook's byte tables, then (c[code j of $1], c[code j of $2]) as f16x2 (even
+    j) or the same for code j + 1 (odd j). Any 8-entry fp16 codebook; bit-identical to the table gathers."""
+    import torch
+
+    assert codebook16.device.type == "cpu" and codebook16.numel() == 8
+    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
+    lo = _byte_words([v & 0xFF for v in raw])
+    hi = _byte_words([v >> 8 for v in raw])
+    common = ".reg .b32 s, l, h, L0, L1, H0, H1;\n"
+    common += f"mov.b32 L0, {lo[0]:#x};\nmov.b32 L1, {lo[1]:#x};\nmov.b32 H0, {hi[0]:#x};\nmov.b32 H1, {hi[1]:#x};\n"
+    common += "prmt.b32 s, $1, $2, $3;\nprmt.b32 l, L0, L1, s;\nprmt.b32 h, H0, H1, s;\n"
+    even = "{\n" + common + "prmt.b32 $0, l, h, 0x6240;\n}"
+    odd = "{\n" + common + "prmt.b32 $0, l, h, 0x7351;\n}"
+    spread = "{\n.reg .b32 t, x;\n"
+    spread += "shl.b32 t, $1, 4;\nlop3.b32 x, $1, t, 0xfff, 0xe4;\n"  # codes 4-7 to bits 16..27
+    spread += "shl.b32 t, x, 2;\nlop3.b32 x, x, t, 0x3f003f, 0xe4;\n"  # codes 2, 3, 6, 7 up a byte
+    spread += "shl.b32 t, x, 1;\nlop3.b32 x, x, t, 0x7070707, 0xe4;\n"  # odd codes to the high nibbles
+    spread += "and.b32 $0, x, 0x77777777;\n}"  # (a & c) | (b & ~c) is lut 0xe4
+    return (even, odd, even, odd), spread
+
+
 def shfl_slices5(codebook16) -> tuple[str, str, str, str]:
     """PTX for 5-bit codebook codes, `shfl_slices3`'s calling convention (two int32 words whose low 5 bits
     are the codes) -> fp16x2, one shuffle per code from a table with lane l holding c[l]: 32 entries, one
@@ -607,6 +641,14 @@ def _asm_slice(w, ASM: tl.constexpr):
 def _asm_pairs(w, ASM: tl.constexpr):
     """Two int32 words per call ($1, $2), one fp16x2 register out (`shfl_slices3`)."""
     return tl.inline_asm_elementwise(ASM, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _spread3(w, ASM: tl.constexpr):
+    """3-bit groups to one code per nibble (`prmt_slices3`' spread); unchanged without ASM."""
+    if ASM == "":
+        return w
+    return tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -759,13 +801,19 @@ def _groups3_bytes(ptr, row, nmask, K: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _cb_slice(w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr):
-    """Codebook values of slice j (fp16 centroids) from the words."""
+def _cb_slice(
+    w, j: tl.constexpr, cb_ptr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr, P3: tl.constexpr = False
+):  # fmt: skip
+    """Codebook values of slice j (fp16 centroids) from the words (P3: 3-bit groups spread to nibbles, decoded by
+    byte permutes, `prmt_slices3`)."""
     if BITS == 5:  # the half of the group that holds code j
         lo, hi = tl.split(w)
         w = hi if j >= 4 else lo
         j = j % 4
-    if ASM != "" and (BITS == 3 or BITS == 5):
+    if P3:  # the selector of byte j // 2 of both groups
+        sel = tl.full(w.shape, (j // 2) | ((4 + j // 2) << 4), tl.int32)
+        c = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [w, sel], dtype=tl.float16, is_pure=True, pack=2)
+    elif ASM != "" and (BITS == 3 or BITS == 5):
         c = _asm_pairs(w >> (BITS * j), ASM)  # the shuffle reads the code from the low bits
     elif ASM != "" and BITS == 8:
         c = _asm_pairs(w, ASM)  # fp8: byte j of two words (`fp8_slices`)
@@ -793,10 +841,11 @@ def _mm_terms(vsc, vze, VAL_BITS: tl.constexpr):
 
 @triton.jit
 def _v_slice(
-    w, j: tl.constexpr, cb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr
-):
+    w, j: tl.constexpr, cb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OUT_T: tl.constexpr,
+    P3: tl.constexpr = False,
+):  # fmt: skip
     if VAL_MODE != 2:  # codebook indices, or fp8 bytes (dense 8-bit values)
-        return _cb_slice(w, j, cb_ptr, BITS, ASM, OUT_T)
+        return _cb_slice(w, j, cb_ptr, BITS, ASM, OUT_T, P3)
     elif ASM != "" and BITS == 3:
         return _asm_pairs(w >> (BITS * j), ASM).to(OUT_T)  # `minmax_slices3`
     elif ASM != "":
@@ -1142,13 +1191,13 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: bool 
     if LOOKUP == "prmt" and bits != 4 and not (bits == 2 and pairs == 2) or bits in (3, 5) and LOOKUP != "shfl":
         return none
     cache = layout.__dict__.setdefault("_asm_cache", {})
-    key = (side, bits, LOOKUP, pairs, join)
+    key = (side, bits, LOOKUP, pairs, join, PRMT3 if bits == 3 else 0)
     if key not in cache:
         from tqserve.kvquant.reference import tq_codebook
 
         host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
         if bits == 3:
-            cache[key] = shfl_slices3(host)
+            cache[key] = prmt_slices3(host)[0] if PRMT3 else shfl_slices3(host)
         elif bits == 5:
             cache[key] = shfl_slices5(host)
         elif bits == 2 and pairs == 2:
@@ -1161,6 +1210,17 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: bool 
             tables = prmt_tables(host)
             cache[key] = prmt_slices(tables) if tables is not None else none
     return cache[key]
+
+
+def spread3_asm(layout, side: str, slices: tuple[str, str, str, str]) -> str:
+    """`prmt_slices3`' spread for a 3-bit codebook side whose decoders (`_asm_for`'s `slices`) are its byte
+    permutes, else "" (shuffles, min-max codes, gathers)."""
+    mode, bits = (layout.key_mode, layout.key_bits) if side == "k" else (layout.val_mode, layout.val_bits)
+    if not (PRMT3 and mode == CODEBOOK and bits == 3 and slices[0] and slices[0] != slices[1]):
+        return ""
+    from tqserve.kvquant.reference import tq_codebook
+
+    return prmt_slices3(tq_codebook(3, layout.head_dim)[0].half())[1]
 
 
 def _asm_prmt_b8(layout) -> tuple[str, str, str, str]:

@@ -59,6 +59,7 @@ from tqserve.attention.paged_decode import (
     _asm_slice4,
     _cb_slice,
     _mm_terms,
+    _spread3,
     _v_slice,
     _words,
     _x_range,
@@ -579,7 +580,7 @@ def plan(
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
-    key += (tail_mask(layout, head_dim, max_query_len), paged_decode.LOOKUP)
+    key += (tail_mask(layout, head_dim, max_query_len), paged_decode.LOOKUP, paged_decode.PRMT3)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -869,12 +870,12 @@ def _acc_cols(
 @triton.jit
 def _value_slice(
     vw, j: tl.constexpr, vcb_ptr, VAL_MODE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, PK_T: tl.constexpr,
-    VB8: tl.constexpr,
+    VB8: tl.constexpr, P3: tl.constexpr = False,
 ):  # fmt: skip
     """Value slice j [d / S, keys]: byte words four per register (`byte_values`, on the GPU) or `_v_slice`."""
     if VB8 and ASM != "":
         return _asm_slice4(vw, ASM).to(PK_T)
-    return _v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T)
+    return _v_slice(vw, j, vcb_ptr, VAL_MODE, BITS, ASM, PK_T, P3)
 
 
 @triton.jit
@@ -1002,7 +1003,8 @@ def _narrow_decode_kernel(
     VB8: tl.constexpr, VPERM: tl.constexpr, PREFETCH: tl.constexpr, PARKQ: tl.constexpr,
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
     DEFER_SUMS: tl.constexpr, LANE_SUMS: tl.constexpr, KPT: tl.constexpr,
-    TAIL_MASK: tl.constexpr, KSCALED: tl.constexpr, VSCALED: tl.constexpr,
+    TAIL_MASK: tl.constexpr, KSCALED: tl.constexpr, VSCALED: tl.constexpr, KSPREAD: tl.constexpr,
+    VSPREAD: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1159,6 +1161,8 @@ def _narrow_decode_kernel(
             tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
             kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW, KPT)  # [keys, words]
             vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
+            kw = _spread3(kw, KSPREAD)  # (3-bit codebook groups decoded by byte permutes: one code per nibble)
+            vw = _spread3(vw, VSPREAD)
             if KSCALED:  # (fp8 cast keys have no scale)
                 ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
             else:
@@ -1168,36 +1172,36 @@ def _narrow_decode_kernel(
             else:
                 vsc = tl.full([BLOCK_N], 1.0, tl.float32)
             # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
-            k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t)
+            k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t, KSPREAD != "")
             s = tl.dot(k, q0, input_precision=PREC)
             if N2 > 0:
                 s2 = tl.dot(k, r0, input_precision=PREC)
-            k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t)
+            k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t, KSPREAD != "")
             s = tl.dot(k, q1, s, input_precision=PREC)
             if N2 > 0:
                 s2 = tl.dot(k, r1, s2, input_precision=PREC)
-            k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t)
+            k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t, KSPREAD != "")
             s = tl.dot(k, q2, s, input_precision=PREC)
             if N2 > 0:
                 s2 = tl.dot(k, r2, s2, input_precision=PREC)
-            k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t)
+            k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t, KSPREAD != "")
             s = tl.dot(k, q3, s, input_precision=PREC)
             if N2 > 0:
                 s2 = tl.dot(k, r3, s2, input_precision=PREC)
             if SK == 8:
-                k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t)
+                k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t, KSPREAD != "")
                 s = tl.dot(k, q4, s, input_precision=PREC)
                 if N2 > 0:
                     s2 = tl.dot(k, r4, s2, input_precision=PREC)
-                k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM0, pk_t)
+                k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM1, pk_t, KSPREAD != "")
                 s = tl.dot(k, q5, s, input_precision=PREC)
                 if N2 > 0:
                     s2 = tl.dot(k, r5, s2, input_precision=PREC)
-                k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM0, pk_t)
+                k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM2, pk_t, KSPREAD != "")
                 s = tl.dot(k, q6, s, input_precision=PREC)
                 if N2 > 0:
                     s2 = tl.dot(k, r6, s2, input_precision=PREC)
-                k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM0, pk_t)
+                k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM3, pk_t, KSPREAD != "")
                 s = tl.dot(k, q7, s, input_precision=PREC)
                 if N2 > 0:
                     s2 = tl.dot(k, r7, s2, input_precision=PREC)
@@ -1292,36 +1296,36 @@ def _narrow_decode_kernel(
                         b4, b5, b6, b7 = _scale4(b4, b5, b6, b7, alpha2)
                 pv2 = (p2 * vsc[:, None]).to(pk_t)
             # each decoded value slice serves both column groups
-            v = _value_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+            v = _value_slice(vw, 0, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8, VSPREAD != "")
             a0 = tl.dot(v, pv, a0, input_precision=PREC)
             if N2 > 0:
                 b0 = tl.dot(v, pv2, b0, input_precision=PREC)
-            v = _value_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, VB8)
+            v = _value_slice(vw, 1, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, VB8, VSPREAD != "")
             a1 = tl.dot(v, pv, a1, input_precision=PREC)
             if N2 > 0:
                 b1 = tl.dot(v, pv2, b1, input_precision=PREC)
-            v = _value_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, VB8)
+            v = _value_slice(vw, 2, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, VB8, VSPREAD != "")
             a2 = tl.dot(v, pv, a2, input_precision=PREC)
             if N2 > 0:
                 b2 = tl.dot(v, pv2, b2, input_precision=PREC)
-            v = _value_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, VB8)
+            v = _value_slice(vw, 3, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, VB8, VSPREAD != "")
             a3 = tl.dot(v, pv, a3, input_precision=PREC)
             if N2 > 0:
                 b3 = tl.dot(v, pv2, b3, input_precision=PREC)
             if SV == 8:
-                v = _value_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+                v = _value_slice(vw, 4, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8, VSPREAD != "")
                 a4 = tl.dot(v, pv, a4, input_precision=PREC)
                 if N2 > 0:
                     b4 = tl.dot(v, pv2, b4, input_precision=PREC)
-                v = _value_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+                v = _value_slice(vw, 5, vcb_ptr, VAL_MODE, VAL_BITS, VASM1, pk_t, VB8, VSPREAD != "")
                 a5 = tl.dot(v, pv, a5, input_precision=PREC)
                 if N2 > 0:
                     b5 = tl.dot(v, pv2, b5, input_precision=PREC)
-                v = _value_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+                v = _value_slice(vw, 6, vcb_ptr, VAL_MODE, VAL_BITS, VASM2, pk_t, VB8, VSPREAD != "")
                 a6 = tl.dot(v, pv, a6, input_precision=PREC)
                 if N2 > 0:
                     b6 = tl.dot(v, pv2, b6, input_precision=PREC)
-                v = _value_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM0, pk_t, VB8)
+                v = _value_slice(vw, 7, vcb_ptr, VAL_MODE, VAL_BITS, VASM3, pk_t, VB8, VSPREAD != "")
                 a7 = tl.dot(v, pv, a7, input_precision=PREC)
                 if N2 > 0:
                     b7 = tl.dot(v, pv2, b7, input_precision=PREC)
@@ -1443,6 +1447,7 @@ def launch(
         LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
         TAIL_MASK=tail_mask(layout, d, meta.max_query_len),
         KSCALED=layout.key_mode != DENSE or layout.key_scaled, VSCALED=layout.val_mode != DENSE or layout.val_scaled,
+        KSPREAD=paged_decode.spread3_asm(layout, "k", kasm), VSPREAD=paged_decode.spread3_asm(layout, "v", vasm),
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel
