@@ -646,9 +646,9 @@ def _asm_pairs(w, ASM: tl.constexpr):
 @triton.jit
 def _spread3(w, ASM: tl.constexpr):
     """3-bit groups to one code per nibble (`prmt_slices3`' spread); unchanged without ASM."""
-    if ASM == "":
-        return w
-    return tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+    if ASM != "":
+        w = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+    return w
 
 
 @triton.jit
