@@ -537,6 +537,13 @@ def shfl_slices3(codebook16) -> tuple[str, str, str, str]:
 # 8 codes is first spread to one code per nibble (7 integer instructions), then two slices of a register pair take a
 # byte permute for the selectors, two table permutes (low and high bytes of the fp16 centroids) and one permute each
 # for their f16x2: 2.1 integer instructions per code and no shuffle, against 2.4 and one shuffle. 0: shuffles.
+# The shuffles were what tq4's decode waited on (ncu, H200, thirty-eighth session: 256 shuffles per 32-key tile, issue
+# slots 33% busy, 58% of the stall samples short-scoreboard or MIO waits, shuffles first). H200, same session,
+# CUDA-graph replays, medians of 3 rounds, ms, shuffles -> permutes (32 x 32K / 1 x 128K / 32 x 5 x 32K):
+#   tq4 (3-bit values)             1.014 / 0.147 / 1.220 -> 0.859 / 0.128 / 1.099  (0.95x -> 1.12x SDPA)
+#   tq4s                           1.015 / 0.147 / 1.224 -> 0.861 / 0.128 / 1.102
+#   turboquant_3bit_nc (keys)      0.769 / 0.112 / 0.993 -> 0.681 / 0.101 / 0.855
+#   turboquant_k3v4_nc (keys)      0.457 / 0.073 / 0.618 -> 0.409 / 0.068 / 0.580
 PRMT3 = 1
 
 
