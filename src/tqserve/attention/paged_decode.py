@@ -512,19 +512,25 @@ def shfl_pair_slices_b8(codebook16) -> tuple[str, str, str, str]:
     return tuple(out)
 
 
-def shfl_slices3(codebook16) -> tuple[str, str, str, str]:
-    """PTX for 3-bit codebook codes: two int32 words ($1, $2) whose low 3 bits are the codes (the
-    kernel shifts slice j's code down first) -> fp16x2 (c[code of $1], c[code of $2]), one shuffle per
-    code from a table with lane l holding c[l & 7] (period 8, so bits 4:3 of the source lane are
-    free). The same string serves every slice (all four entries are it)."""
+def _byte_tables8(codebook16) -> str:
+    """PTX declaring L0, L1 (the low bytes of c[0..3], c[4..7]) and H0, H1 (their high bytes) for an 8-entry fp16
+    codebook: byte-permute tables, `prmt.b32 x, L0, L1, k` picks the low byte of c[k & 7]."""
     import torch
 
     assert codebook16.device.type == "cpu" and codebook16.numel() == 8
     raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
     lo = _byte_words([v & 0xFF for v in raw])
     hi = _byte_words([v >> 8 for v in raw])
-    body = ".reg .b32 l, m, a, c, tb, ra, rb, L0, L1, H0, H1;\n"
-    body += f"mov.b32 L0, {lo[0]:#x};\nmov.b32 L1, {lo[1]:#x};\nmov.b32 H0, {hi[0]:#x};\nmov.b32 H1, {hi[1]:#x};\n"
+    out = ".reg .b32 L0, L1, H0, H1;\n"
+    return out + f"mov.b32 L0, {lo[0]:#x};\nmov.b32 L1, {lo[1]:#x};\nmov.b32 H0, {hi[0]:#x};\nmov.b32 H1, {hi[1]:#x};\n"
+
+
+def shfl_slices3(codebook16) -> tuple[str, str, str, str]:
+    """PTX for 3-bit codebook codes: two int32 words ($1, $2) whose low 3 bits are the codes (the
+    kernel shifts slice j's code down first) -> fp16x2 (c[code of $1], c[code of $2]), one shuffle per
+    code from a table with lane l holding c[l & 7] (period 8, so bits 4:3 of the source lane are
+    free). The same string serves every slice (all four entries are it)."""
+    body = ".reg .b32 l, m, a, c, tb, ra, rb;\n" + _byte_tables8(codebook16)
     body += "mov.u32 l, %laneid;\nand.b32 m, l, 7;\nprmt.b32 a, L0, L1, m;\nprmt.b32 c, H0, H1, m;\n"
     body += "prmt.b32 tb, a, c, 0x0040;\n"  # fp16 c[l & 7] in the low half
     body += "shfl.sync.idx.b32 ra, tb, $1, 0x1f, 0xffffffff;\nshfl.sync.idx.b32 rb, tb, $2, 0x1f, 0xffffffff;\n"
@@ -555,14 +561,7 @@ def prmt_slices3(codebook16) -> tuple[tuple[str, str, str, str], str]:
     and j + 1 (j even): s = those two bytes, then the low and the high bytes of c[code] for the four nibbles of s
     by one permute each from the codebook's byte tables, then (c[code j of $1], c[code j of $2]) as f16x2 (even
     j) or the same for code j + 1 (odd j). Any 8-entry fp16 codebook; bit-identical to the table gathers."""
-    import torch
-
-    assert codebook16.device.type == "cpu" and codebook16.numel() == 8
-    raw = [int(v) & 0xFFFF for v in codebook16.to(torch.float16).view(torch.int16).numpy()]
-    lo = _byte_words([v & 0xFF for v in raw])
-    hi = _byte_words([v >> 8 for v in raw])
-    common = ".reg .b32 s, l, h, L0, L1, H0, H1;\n"
-    common += f"mov.b32 L0, {lo[0]:#x};\nmov.b32 L1, {lo[1]:#x};\nmov.b32 H0, {hi[0]:#x};\nmov.b32 H1, {hi[1]:#x};\n"
+    common = ".reg .b32 s, l, h;\n" + _byte_tables8(codebook16)
     common += "prmt.b32 s, $1, $2, $3;\nprmt.b32 l, L0, L1, s;\nprmt.b32 h, H0, H1, s;\n"
     even = "{\n" + common + "prmt.b32 $0, l, h, 0x6240;\n}"
     odd = "{\n" + common + "prmt.b32 $0, l, h, 0x7351;\n}"
