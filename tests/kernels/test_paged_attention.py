@@ -59,6 +59,26 @@ def _check_one_step(preset, hq, hkv, d, ctx, qlens, bs=16, seed=0, num_splits=No
 MIXED = ([37, 0, 150], [1, 21, 5])  # decode, extend from scratch, verify 1+4
 
 
+@pytest.mark.parametrize("fp8_paths", [True, False])
+def test_fp8_pages_take_the_narrow_and_extend_kernels(monkeypatch, fp8_paths):
+    """fp8 pages: decode / verify steps run the narrow kernel (`paged_decode.FP8_NARROW`) and extend steps the
+    extend kernel (`paged_extend.FP8`); with both off, the general kernel. The reference agrees either way."""
+    from tqserve.attention import paged_decode, paged_extend
+    from tqserve.attention import paged_decode_narrow as narrow
+
+    monkeypatch.setattr(paged_decode, "FP8_NARROW", int(fp8_paths))
+    monkeypatch.setattr(paged_extend, "FP8", int(fp8_paths))
+    calls = {"narrow": 0, "extend": 0}
+    for name, module, attr in (("narrow", narrow, "launch"), ("extend", paged_extend, "extend_attention")):
+        real = getattr(module, attr)
+        monkeypatch.setattr(
+            module, attr, lambda *a, _r=real, _n=name, **k: (calls.__setitem__(_n, calls[_n] + 1), _r(*a, **k))[1]
+        )
+    _check_one_step("fp8", 8, 2, 128, [37, 70, 1], [1, 5, 1], seed=3)  # decode and verify rows
+    _check_one_step("fp8", 8, 2, 128, [0, 90], [40, 33], seed=4)  # extend rows
+    assert calls == ({"narrow": 1, "extend": 1} if fp8_paths else {"narrow": 0, "extend": 0})
+
+
 @pytest.mark.parametrize(
     "preset,hq,hkv,d",
     [
