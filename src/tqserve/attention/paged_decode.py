@@ -1351,6 +1351,9 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     vz = pages[layout.val_zero_name] if layout.val_zero_name else vs
     kcb, vcb, _ = centroid_tables(layout, False, model_f32)
     if fp8_side(layout, "k") or fp8_side(layout, "v"):  # fp8 sides gather from the e4m3 table (no asm)
+        for t in (kp if fp8_side(layout, "k") else None, vp if fp8_side(layout, "v") else None):
+            if t is not None and t.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"fp8 pages must be float8_e4m3fn for the decode kernels, got {t.dtype}")
         table = fp8_table(dev, torch.float32 if model_f32 else torch.float16)
         kcb = table if fp8_side(layout, "k") else kcb
         vcb = table if fp8_side(layout, "v") else vcb
