@@ -87,6 +87,8 @@ def test_fp8_pages_take_the_narrow_and_extend_kernels(monkeypatch, fp8_paths):
         ("turboquant_4bit_nc", 7, 1, 64),  # GQA 7 (padded group)
         ("turboquant_3bit_nc", 8, 1, 64),  # GQA 8
         ("turboquant_k8v4", 4, 2, 64),
+        ("tq_k8v3_ub_s4_w16", 8, 2, 128),  # fp8 keys, 3-bit codebook values, sink + window
+        ("tq_k4v8_nc", 7, 1, 128),  # fp8 values
         ("tq_k4v3_ub_s4_w16", 4, 1, 64),  # rotated values + sink + window
         ("tq_k3v2_nc_s2_w8", 7, 1, 128),
     ],

@@ -780,7 +780,7 @@ def test_narrow_3bit_gpu_real_sizes(preset, hq, hkv, d, narrow_spy):
     "preset",
     [
         *("turboquant_4bit_nc", "tq_k4v4_nc", "tq3", "tq_k4v4_ub", "tq_k2v4_nc", "tq_k4v2_nc", *NARROW3),
-        *("fp8", "turboquant_k8v4", "tq4"),
+        *("fp8", "turboquant_k8v4", "tq4", "tq_k8v3_nc", "tq_k4v8_nc"),
     ],
 )
 @pytest.mark.parametrize(("qlen", "narrow_on"), [(1, True), (1, False), (5, True), (5, False)])
@@ -789,7 +789,7 @@ def test_asm_decoders_equal_gathers(preset, lookup, pair_tables, join, qlen, nar
     magic-number min-max values; shuffled pairs joined by a permute or an add, `join` = JOIN_ADD) must produce
     the fp16 operands bit for bit: outputs identical to the gather path on the same pages, for decode (both
     kernels) and for verify rows (tq3's through the narrow kernel too)."""
-    if preset in (*NARROW3, "fp8", "turboquant_k8v4", "tq4") and not narrow_on:
+    if preset in (*NARROW3, "fp8", "turboquant_k8v4", "tq4", "tq_k8v3_nc", "tq_k4v8_nc") and not narrow_on:
         pytest.skip("3- and 5-bit codes and fp8 sides have no decoders outside the narrow kernel")
     if pair_tables == 2 and preset not in ("tq3", "tq_k2v4_nc", "tq_k4v2_nc", "tq_k3v2_ub"):
         pytest.skip("PAIR_TABLES = 2 changes only 2-bit codebook decoders")
