@@ -1224,9 +1224,12 @@ def spread3_asm(layout, side: str, slices: tuple[str, str, str, str]) -> str:
     mode, bits = (layout.key_mode, layout.key_bits) if side == "k" else (layout.val_mode, layout.val_bits)
     if not (PRMT3 and mode == CODEBOOK and bits == 3 and slices[0] and slices[0] != slices[1]):
         return ""
-    from tqserve.kvquant.reference import tq_codebook
+    cache = layout.__dict__.setdefault("_asm_cache", {})  # (built once per layout, not per step)
+    if "spread3" not in cache:
+        from tqserve.kvquant.reference import tq_codebook
 
-    return prmt_slices3(tq_codebook(3, layout.head_dim)[0].half())[1]
+        cache["spread3"] = prmt_slices3(tq_codebook(3, layout.head_dim)[0].half())[1]
+    return cache["spread3"]
 
 
 def _asm_prmt_b8(layout) -> tuple[str, str, str, str]:

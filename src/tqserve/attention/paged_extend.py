@@ -38,6 +38,7 @@ import triton.language as tl
 from tqserve.attention.finish import finish_parts
 from tqserve.attention.paged import (
     CODEBOOK,
+    DENSE,
     FAST,
     LOG2E,
     PageLayout,
@@ -66,7 +67,7 @@ FP8 = 1
 
 def takes(layout) -> bool:
     """Whether extend steps over this layout come here: packed pages, or fp8 ones (`FP8`)."""
-    fp8 = layout.key_mode == 0 and layout.key_bits == 8 and layout.val_mode == 0 and layout.val_bits == 8
+    fp8 = layout.key_mode == DENSE and layout.key_bits == 8 and layout.val_mode == DENSE and layout.val_bits == 8
     return ENABLED and (layout.packed or bool(FP8) and fp8)
 
 
