@@ -3,16 +3,19 @@
 greedy tokens as the torch reference backend, for bf16 pages and TurboQuant presets, with the
 model in bfloat16 (the serving dtype) and in float32 (where attention rounding is smallest).
 
-What holds on the H100 (docs/benchmarks.md): the float32 model on unquantized pages, every
-configuration, up to floating-point near-ties: a sequence may take the other of two tokens whose
-logprobs are within NEAR_TIE nats in a clean run, which `near_tie_report` measures for every
-divergence (bf16 page rounding turns ~1e-6 differences into whole bf16 steps now and then; the
-sixteenth session saw one such sequence, 0.004 nats apart). TurboQuant presets and the bfloat16
-model do not hold and are expected to fail here: the store writes the reference's bytes for the
-same inputs and the kernels agree with the reference to ~1e-6 (test_gpu_backend_agreement.py), but
-those 1e-6 differences reach the next layer's K / V, where a quantization boundary turns them into
-a different index now and then, which moves logits by far more than a near-tie (the bfloat16
-model: logit ties). benchmarks/engine_gpu.sh runs the subset that holds by default."""
+What holds: the float32 model on unquantized pages, every configuration, up to floating-point
+near-ties (H100; docs/benchmarks.md): a sequence may take the other of two tokens whose logprobs
+are within NEAR_TIE nats in a clean run, which `near_tie_report` measures for every divergence
+(bf16 page rounding turns ~1e-6 differences into whole bf16 steps now and then; the sixteenth
+session saw one such sequence, 0.004 nats apart). The float32 model on the needle preset's
+TurboQuant pages (`tq_k5v3_ncs_s4_w44+v4@7.17.23`: packed keys and values beyond a sink of 4 and a
+window of 44) holds in all five configurations (H200, thirty-ninth session), as tq4 (window 32) did
+on the H100. What does not hold and is expected to fail here: the bfloat16 model (logit ties), and
+turboquant_4bit_nc, the preset without an exact window, so even a token's nearest keys are read
+packed: the store writes the reference's bytes for the same inputs and the kernels agree with the
+reference to ~1e-6 (test_gpu_backend_agreement.py), but those 1e-6 differences reach the next
+layer's K / V, where a quantization boundary turns them into a different index now and then, which
+moves logits by far more than a near-tie. benchmarks/engine_gpu.sh runs the subset that holds by default."""
 
 from __future__ import annotations
 
