@@ -78,6 +78,51 @@ def test_free_queue_lru_order():
         pool.allocate(2)
 
 
+def test_bulk_release_equals_page_by_page():
+    """Releases of BULK_RELEASE_MIN pages or more link the queue with vector operations; random
+    workloads (shared pages, cached pages, repeated pages) leave both pools in the same state."""
+    import random
+
+    from tqserve.core import block_pool
+
+    rng = random.Random(3)
+    logs: tuple[list[int], list[int]] = ([], [])
+    bulk, each = BlockPool(3000, on_evict=logs[0].append), BlockPool(3000, on_evict=logs[1].append)
+    held: list[list[int]] = []
+    for step in range(300):
+        if held and rng.random() < 0.45:
+            pages = held.pop(rng.randrange(len(held)))
+            if rng.random() < 0.1:  # a page twice in one call (two references): the page-by-page path
+                for p in pages[:3]:
+                    bulk.touch(p)
+                    each.touch(p)
+                pages = pages + pages[:3]
+            bulk.release(pages)
+            each._release_each(pages)
+            continue
+        n = rng.choice([1, 5, block_pool.BULK_RELEASE_MIN - 1, block_pool.BULK_RELEASE_MIN, 300])
+        if n > bulk.num_free:
+            continue
+        pages = bulk.allocate(n)
+        assert each.allocate(n) == pages
+        for p in pages:
+            if rng.random() < 0.5:
+                bulk.register(p, hash((step, p)))
+                each.register(p, hash((step, p)))
+        if held and rng.random() < 0.3:  # a prefix hit: another holder shares these pages
+            for p in held[-1][: rng.randrange(len(held[-1]) + 1)]:
+                if bulk.lookup(bulk.block_hash.get(p, -1)) == p:
+                    bulk.touch(p)
+                    each.touch(p)
+                    pages.append(p)
+        held.append(pages[::-1])
+    assert bulk.ref_cnt == each.ref_cnt and bulk._next == each._next and bulk._prev == each._prev
+    assert bulk.num_free == each.num_free and logs[0] == logs[1] and bulk.cached == each.cached
+    assert _check_free_queue(bulk) == _check_free_queue(each)
+    with pytest.raises(AssertionError, match="freed twice"):
+        bulk.release(list(range(1, 1 + block_pool.BULK_RELEASE_MIN)) if bulk.num_free else [0] * 64)
+
+
 def test_double_free_is_asserted():
     pool = BlockPool(4)
     (a,) = pool.allocate(1)

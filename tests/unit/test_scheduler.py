@@ -156,3 +156,12 @@ def test_sink_slots_follow_cached_first_pages():
     # Sinks are kept only for first pages still findable in the prefix cache.
     assert set(kv.sink_of_page) <= set(kv.pool.cached.values())
     assert len(kv.free_sink_slots) + len(kv.sink_of_page) == 2 * 2 + 1
+
+
+def test_token_slice_equals_all_token_ids_slice():
+    r = req("s", 7)
+    r.output_token_ids.extend([101, 102, 103, 104])
+    every = r.all_token_ids
+    for start in range(len(every) + 1):
+        for end in range(start, len(every) + 1):
+            assert r.token_slice(start, end) == every[start:end], (start, end)

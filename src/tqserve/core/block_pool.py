@@ -13,12 +13,20 @@ they cost ~100 ms per full gc.collect() at 4M pages, a stall in the middle of a 
   in the queue exactly when its ref count is 0 (page 0 aside), so no membership flag is needed;
 - hashes are kept in plain dicts holding only ints (page -> hash, hash -> page), which CPython
   leaves untracked, and only for cached pages.
+numpy views share the arrays' memory (untracked too) so that releasing a long request's pages is a
+few vector operations: a Python loop costs ~0.3 us a page, 20 ms of engine stall for a 1M-token
+request.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
+
+import numpy as np
+
+# Releases of at least this many pages link them into the free queue with vector operations.
+BULK_RELEASE_MIN = 64
 
 
 class BlockPool:
@@ -39,6 +47,10 @@ class BlockPool:
         self._prev[0] = num_blocks - 1
         self._num_free = num_blocks - 1
         self.on_evict = on_evict
+        # Views of the three arrays for bulk releases (never resized, so the buffers stay put).
+        self._ref_np = np.frombuffer(self.ref_cnt, dtype=np.intc)
+        self._next_np = np.frombuffer(self._next, dtype=np.intc)
+        self._prev_np = np.frombuffer(self._prev, dtype=np.intc)
 
     # ---- free queue ------------------------------------------------------------------------
     def _unlink(self, block: int) -> None:
@@ -118,6 +130,12 @@ class BlockPool:
     def release(self, blocks: list[int]) -> None:
         """Drop one reference per page; free pages join the LRU tail. Callers pass a request's pages
         in reverse so its last pages are evicted before its prefix."""
+        if len(blocks) >= BULK_RELEASE_MIN and len(set(blocks)) == len(blocks):
+            self._release_bulk(blocks)
+        else:
+            self._release_each(blocks)
+
+    def _release_each(self, blocks: list[int]) -> None:
         ref_cnt, block_hash, on_evict = self.ref_cnt, self.block_hash, self.on_evict
         for block in blocks:
             cnt = ref_cnt[block] - 1
@@ -127,6 +145,34 @@ class BlockPool:
                 self._append(block)
                 if on_evict is not None and block not in block_hash:
                     on_evict(block)  # nobody can hit an uncached page: its side data is dead
+
+    def _release_bulk(self, blocks: list[int]) -> None:
+        """`release` for distinct pages, as vector operations: the pages whose count drops to 0 are
+        chained in the order given and the chain joins the queue's tail, as one `_append` each would."""
+        idx = np.asarray(blocks, dtype=np.int64)
+        ref = self._ref_np
+        cnt = ref[idx] - 1
+        bad = (cnt < 0) | (idx == 0)
+        if bad.any():
+            raise AssertionError(f"page {int(idx[bad.argmax()])} freed twice")
+        ref[idx] = cnt
+        freed = idx[cnt == 0]
+        if not len(freed):
+            return
+        nxt, prv = self._next_np, self._prev_np
+        tail = int(prv[0])
+        nxt[tail] = freed[0]
+        prv[freed[0]] = tail
+        nxt[freed[:-1]] = freed[1:]
+        prv[freed[1:]] = freed[:-1]
+        nxt[freed[-1]] = 0
+        prv[0] = freed[-1]
+        self._num_free += len(freed)
+        if self.on_evict is not None:
+            block_hash = self.block_hash
+            for block in freed.tolist():
+                if block not in block_hash:
+                    self.on_evict(block)  # nobody can hit an uncached page: its side data is dead
 
     def register(self, block: int, block_hash: int) -> None:
         """Record a full page under its chained hash. A page with the same content already cached

@@ -80,13 +80,12 @@ class KVCacheManager:
         bs = self.block_size
         if (len(hashes) + 1) * bs > upto:
             return hashes
-        tokens = request.all_token_ids
         # never a block with a token not read back yet (async scheduling): its hash would be wrong
-        upto = min(upto, len(tokens))
+        upto = min(upto, request.num_tokens)
         while (len(hashes) + 1) * bs <= upto:
             i = len(hashes)
             parent = hashes[-1] if hashes else self.layout.cache_salt
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+            hashes.append(hash((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))))
         return hashes
 
     # ---- admission -----------------------------------------------------------------------
