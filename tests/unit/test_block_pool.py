@@ -119,8 +119,14 @@ def test_bulk_release_equals_page_by_page():
     assert bulk.ref_cnt == each.ref_cnt and bulk._next == each._next and bulk._prev == each._prev
     assert bulk.num_free == each.num_free and logs[0] == logs[1] and bulk.cached == each.cached
     assert _check_free_queue(bulk) == _check_free_queue(each)
-    with pytest.raises(AssertionError, match="freed twice"):
-        bulk.release(list(range(1, 1 + block_pool.BULK_RELEASE_MIN)) if bulk.num_free else [0] * 64)
+    # a double free in a bulk release raises before it changes anything
+    pool = BlockPool(200)
+    pages = pool.allocate(block_pool.BULK_RELEASE_MIN)
+    pool.release(pages[1:])
+    before = (pool.ref_cnt.tolist(), pool._next.tolist(), pool._prev.tolist(), pool.num_free)
+    with pytest.raises(AssertionError, match=f"page {pages[1]} freed twice"):
+        pool.release(pages)
+    assert (pool.ref_cnt.tolist(), pool._next.tolist(), pool._prev.tolist(), pool.num_free) == before
 
 
 def test_double_free_is_asserted():
