@@ -152,7 +152,7 @@ class BlockPool:
         idx = np.asarray(blocks, dtype=np.int64)
         ref = self._ref_np
         cnt = ref[idx] - 1
-        bad = (cnt < 0) | (idx == 0)
+        bad = cnt < 0  # (page 0 included: never allocated, its count stays 0)
         if bad.any():
             raise AssertionError(f"page {int(idx[bad.argmax()])} freed twice")
         ref[idx] = cnt
