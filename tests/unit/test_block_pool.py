@@ -127,6 +127,8 @@ def test_bulk_release_equals_page_by_page():
     with pytest.raises(AssertionError, match=f"page {pages[1]} freed twice"):
         pool.release(pages)
     assert (pool.ref_cnt.tolist(), pool._next.tolist(), pool._prev.tolist(), pool.num_free) == before
+    with pytest.raises(AssertionError, match="page 0 freed twice"):  # the null page is never allocated
+        pool.release(pool.allocate(block_pool.BULK_RELEASE_MIN) + [0])
 
 
 def test_double_free_is_asserted():
