@@ -111,6 +111,14 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: Iterable[int]) -> str:
         return "".join(self.add_token(t) for t in token_ids)
 
+    def add_final(self, token_ids: Iterable[int]) -> str:
+        """The text of the last tokens of a sequence, decoded once, including what `flush` would
+        emit: the same string as `add_tokens(token_ids) + flush()` (both are the difference between
+        the decoding of the window with and without the new tokens), at two decodes instead of two
+        per token."""
+        self.ids.extend(int(t) for t in token_ids)
+        return self._step(final=True)
+
     def flush(self) -> str:
         """Emit whatever is held back (a sequence that really ends in U+FFFD or broken bytes)."""
         return self._step(final=True)

@@ -105,3 +105,19 @@ def test_backend_decode_equals_transformers_decode(tokenizer):
         for skip in (False, True):
             want = hf.decode(window, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
             assert tokenizer.decode(window, skip_special_tokens=skip) == want
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("text", [*TEXTS, "<|im_start|>assistant\nhi 😀<|im_end|> tail"])
+def test_add_final_equals_token_by_token(tokenizer, text, skip):
+    """The lazy path's one decode (`add_final`) gives the same text as feeding the tokens one at a
+    time and flushing, with and without a prompt's left context, at every cut into the sequence
+    (a multi-byte character split at the end included)."""
+    prompt = tokenizer.encode("question: 日本", add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for context in ([], prompt):
+        for cut in range(len(ids) + 1):
+            eager = tokenizer.detokenizer(context, skip_special_tokens=skip)
+            want = "".join(stream(eager, ids[:cut]))
+            lazy = tokenizer.detokenizer(context, skip_special_tokens=skip)
+            assert lazy.add_final(ids[:cut]) == want

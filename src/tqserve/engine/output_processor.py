@@ -19,6 +19,9 @@ class SampleState:
     detok: object
     output: CompletionOutput
     num_seen: int = 0  # output tokens already processed
+    # Visible tokens not yet detokenized: a sample whose text nobody reads before it finishes
+    # (FINAL_ONLY, no stop strings, `_lazy_text`) is detokenized once, at its end.
+    pending: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class OutputProcessor:
         state.num_seen = len(req.output_token_ids)
         sp = req.sampling_params
         stopped = False
+        lazy = _lazy_text(sp)
         for tok in new:
             out.token_ids.append(tok)
             if lp is not None:
@@ -85,6 +89,10 @@ class OutputProcessor:
                 out.logprobs.append(entry)  # returned outputs hold copies (`_copy`)
                 out.cumulative_logprob = (out.cumulative_logprob or 0.0) + chosen
             hide = tok in req.eos_token_ids and not sp.ignore_eos or tok in sp.stop_token_ids
+            if lazy:
+                if not (hide and sp.skip_special_tokens):
+                    state.pending.append(tok)
+                continue
             delta = state.detok.add_token(tok) if not (hide and sp.skip_special_tokens) else ""
             out.text += delta
             if sp.stop and not stopped and req.num_output_tokens >= sp.min_tokens:
@@ -94,8 +102,10 @@ class OutputProcessor:
                     stopped = True
                     break
         if req.status.finished or stopped:
-            if not stopped:
-                out.text += state.detok.flush() if req.status != RequestStatus.FINISHED_ABORTED else ""
+            aborted = req.status == RequestStatus.FINISHED_ABORTED
+            flushed = _detokenize_pending(state, final=not aborted)
+            if not stopped and not flushed:
+                out.text += state.detok.flush() if not aborted else ""
                 out.stop_reason = out.stop_reason if out.stop_reason is not None else req.stop_reason
             out.finish_reason = "stop" if stopped else FINISH_REASONS[req.status]
             if out.finish_reason == "abort":
@@ -143,9 +153,30 @@ class OutputProcessor:
         if parent is None:
             return None
         for s in parent.samples:
+            _detokenize_pending(s, final=False)
             if not s.output.finished:
                 s.output.finish_reason = "abort"
         return self._make_output(parent)
+
+
+def _lazy_text(sp) -> bool:
+    """Whether a sample's text may wait until it finishes: nobody sees partial outputs (FINAL_ONLY) and
+    no stop string has to be searched for in the text as it grows. Detokenizing incrementally decodes
+    a window twice per token per request, most of a decode step's output processing (64 requests:
+    ~0.25 of ~0.3 ms on a desktop CPU, more on a server's), all on the host's critical path."""
+    return sp.output_kind == RequestOutputKind.FINAL_ONLY and not sp.stop
+
+
+def _detokenize_pending(state: SampleState, final: bool) -> bool:
+    """The text of a lazy sample's held tokens. `final`: the sample ended normally; its whole output is
+    decoded at once (`IncrementalDetokenizer.add_final`, the same text as token by token, plus the flush
+    that follows). Otherwise (an abort) token by token, exactly as an eager sample would have.
+    Returns whether the flush is done."""
+    if not state.pending:
+        return False
+    ids, state.pending = state.pending, []
+    state.output.text += state.detok.add_final(ids) if final else state.detok.add_tokens(ids)
+    return final
 
 
 def _copy(out: CompletionOutput) -> CompletionOutput:
