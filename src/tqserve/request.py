@@ -19,8 +19,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value.startswith("finished")
+        # read for every request of every step: a set lookup, not a string test
+        return self in _FINISHED
 
+
+_FINISHED = frozenset(s for s in RequestStatus if s.value.startswith("finished"))
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
