@@ -188,10 +188,12 @@ class KVCacheManager:
         if not self.layout.enable_prefix_caching:
             return
         rid = request.request_id
-        table = self.block_tables[rid]
         # Only known tokens hash: with async scheduling the computed count may include a token whose
         # id is still being read back.
         done = min(request.num_computed_tokens, request.num_tokens)
+        if self.snaps is None and done < (self.num_registered.get(rid, 0) + 1) * self.block_size:
+            return  # no new full block: most decode steps of every request
+        table = self.block_tables[rid]
         hashes = self._hash_blocks(request, done)
         # Lookups may have hashed further than the computed pages reach.
         full = min(len(hashes), len(table), done // self.block_size)

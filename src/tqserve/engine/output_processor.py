@@ -39,11 +39,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
+        self._sample_of: dict[str, SampleState] = {}  # child id -> its sample (a step looks up every request)
 
     def add(self, parent: ParentState) -> None:
         self.parents[parent.request_id] = parent
         for s in parent.samples:
             self.child_to_parent[s.request.request_id] = parent.request_id
+            self._sample_of[s.request.request_id] = s
 
     def process(
         self, changed: list[Request], logprobs: dict, prompt_logprobs: dict
@@ -56,7 +58,7 @@ class OutputProcessor:
             if pid is None:
                 continue
             parent = self.parents[pid]
-            state = next(s for s in parent.samples if s.request is req)
+            state = self._sample_of[req.request_id]
             if req.request_id in prompt_logprobs:
                 self._add_prompt_logprobs(parent, prompt_logprobs[req.request_id])
             if self._advance(state, logprobs.get(req.request_id)):
@@ -137,6 +139,7 @@ class OutputProcessor:
             self.parents.pop(parent.request_id, None)
             for s in parent.samples:
                 self.child_to_parent.pop(s.request.request_id, None)
+                self._sample_of.pop(s.request.request_id, None)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
