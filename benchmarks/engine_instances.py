@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from decode_phases import _timed  # (run as a script: benchmarks/ is on sys.path)
 
 from tqserve.bench import throughput
 from tqserve.core import scheduler
@@ -27,18 +28,6 @@ from tqserve.models.loader import load_model
 acc: dict[str, list[float]] = collections.defaultdict(list)
 events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 cpus: collections.Counter = collections.Counter()
-
-
-def _timed(cls, name: str, key: str) -> None:
-    fn = getattr(cls, name)
-
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        out = fn(*args, **kwargs)
-        acc[key].append(time.perf_counter() - t)
-        return out
-
-    setattr(cls, name, wrapper)
 
 
 def _replay_timed() -> None:
@@ -82,7 +71,7 @@ def main() -> None:
         (model_runner.StepHandle, "collect", "read-back"),
         (output_processor.OutputProcessor, "process", "output"),
     ]:
-        _timed(cls, name, key)
+        _timed(cls, name, acc, key)
     _replay_timed()
     step = llm_engine.LLMEngine.step
 
