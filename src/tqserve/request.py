@@ -19,11 +19,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        # read for every request of every step: a set lookup, not a string test
-        return self in _FINISHED
+        # read for every request of every step: a member attribute (set below), not a string test
+        return self._finished
 
 
-_FINISHED = frozenset(s for s in RequestStatus if s.value.startswith("finished"))
+for _s in RequestStatus:
+    _s._finished = _s.value.startswith("finished")
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
