@@ -19,11 +19,15 @@ from tqserve.request import Request
 
 logger = logging.getLogger(__name__)
 
-# CUDA-graph decode steps enqueue their replay, logits, sampling and token copy from a worker thread
-# (`ModelRunner._graph_tail`). cudaGraphLaunch costs host time per graph node (~0.35 ms for SmolLM2's
-# ~340 nodes on an H200 host) and releases the GIL, so it overlaps the engine thread's Python work
-# (read-back, scheduler update, output processing, the next schedule). 0: the engine thread does it all.
-THREADED_GRAPH_TAIL = os.environ.get("TQSERVE_THREADED_GRAPH_TAIL", "1") != "0"
+# 1: CUDA-graph decode steps enqueue their replay, logits, sampling and token copy from a worker thread
+# (`ModelRunner._graph_tail`). cudaGraphLaunch costs host time per graph node (~0.2 ms for SmolLM2's ~340
+# nodes on an H200 host) and releases the GIL, so it overlaps the engine thread's Python work. Off by
+# default: the engine's launch phase went 0.72-0.78 -> 0.53-0.57 ms where the host was fast (the steps
+# were bound by the GPU there anyway), but where the host ran ~1.8x slower the threaded steps were no
+# faster and sometimes slower (median 2.11 against 2.07 ms, worst 2.53; the worker waits for the GIL
+# held by the engine thread's Python, and the sampling it enqueues late leaves the GPU idle).
+# docs/benchmarks.md, fortieth session.
+THREADED_GRAPH_TAIL = os.environ.get("TQSERVE_THREADED_GRAPH_TAIL", "0") == "1"
 
 
 def make_formats(model, preset: str, skip_layers: list[int], dtype: torch.dtype) -> list[LayerKVFormat]:
