@@ -1,13 +1,12 @@
 """Host phases and GPU time of the decode steps, per engine instance: is a slow run host- or device-bound?
 
-PYTHONPATH=src python benchmarks/engine_instances.py turboquant_4bit_nc turboquant_4bit_nc auto [preset[:0] ...]
+PYTHONPATH=src python benchmarks/engine_instances.py turboquant_4bit_nc turboquant_4bit_nc auto [preset ...]
 
 Builds one engine per argument in turn in one process (as `tqserve bench throughput` does), runs
 `bench_tqserve`'s 64 x 4K decode, and prints for the last round's timed steps (medians, ms): the step,
 the GPU time of each CUDA-graph replay (CUDA events around it), the host phases (schedule, input build,
 launch, read-back wait, scheduler update, output processing), the vCPUs the engine thread ran on and the
-share of steal time. A `:0` suffix builds that engine without the graph-tail worker thread
-(`model_runner.THREADED_GRAPH_TAIL`), for A/Bs in one process. CUDA only.
+share of steal time. CUDA only.
 """
 
 from __future__ import annotations
@@ -85,9 +84,7 @@ def main() -> None:
     llm_engine.LLMEngine.step = timed_step
     loaded = load_model(None, torch.bfloat16, torch.device("cuda"))
     n = args.new_tokens - 1  # the timed steps of the last round
-    for spec in args.presets:
-        preset, _, thread = spec.partition(":")
-        model_runner.THREADED_GRAPH_TAIL = thread != "0"
+    for preset in args.presets:
         acc.clear()
         events.clear()
         cpus.clear()
@@ -104,9 +101,8 @@ def main() -> None:
 
         keys = ("schedule", "build", "launch", "read-back", "update", "output")
         phases = "  ".join(f"{k} {med(k):.3f}" for k in keys)
-        label = preset + ("" if thread != "0" else " (no tail thread)")
         print(
-            f"{label:34s} {rate:8.0f} tok/s  step {med('step'):.2f}  gpu replay {gpu:.3f}  {phases}  "
+            f"{preset:24s} {rate:8.0f} tok/s  step {med('step'):.2f}  gpu replay {gpu:.3f}  {phases}  "
             f"vcpus {dict(cpus.most_common(3))}  steal {100 * (st1 - st0) / max(1, tot1 - tot0):.2f}%",
             flush=True,
         )

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -18,16 +16,6 @@ from tqserve.layers.attention import ForwardContext
 from tqserve.request import Request
 
 logger = logging.getLogger(__name__)
-
-# 1: CUDA-graph decode steps enqueue their replay, logits, sampling and token copy from a worker thread
-# (`ModelRunner._graph_tail`). cudaGraphLaunch costs host time per graph node (~0.2 ms for SmolLM2's ~340
-# nodes on an H200 host) and releases the GIL, so it overlaps the engine thread's Python work. Off by
-# default: the engine's launch phase went 0.72-0.78 -> 0.53-0.57 ms where the host was fast (the steps
-# were bound by the GPU there anyway), but where the host ran ~1.8x slower the threaded steps were no
-# faster and sometimes slower (median 2.11 against 2.07 ms, worst 2.53; the worker waits for the GIL
-# held by the engine thread's Python, and the sampling it enqueues late leaves the GPU idle).
-# docs/benchmarks.md, fortieth session.
-THREADED_GRAPH_TAIL = os.environ.get("TQSERVE_THREADED_GRAPH_TAIL", "0") == "1"
 
 
 def make_formats(model, preset: str, skip_layers: list[int], dtype: torch.dtype) -> list[LayerKVFormat]:
@@ -56,19 +44,13 @@ class StepHandle:
         self.runner, self.inputs, self.hidden, self.sampled, self.requests = runner, inputs, hidden, sampled, requests
         self.host: list[torch.Tensor] | None = None
         self.copied: torch.cuda.Event | None = None
-        self.tail: Future | None = None  # the worker enqueueing this step's graph tail, if one does
-        self._copy_out()
-
-    def _copy_out(self) -> None:
-        if self.sampled is not None and self.sampled[0][0].is_cuda:
-            tokens, lp = self.sampled[0]
+        if sampled is not None and sampled[0][0].is_cuda:
+            tokens, lp = sampled[0]
             self.host = [to_pinned_host(t) for t in (tokens, *(lp or ()))]
             self.copied = torch.cuda.Event()
             self.copied.record()
 
     def collect(self) -> RunnerOutput:
-        if self.tail is not None:
-            self.tail.result()
         return self.runner._collect(self)
 
 
@@ -135,10 +117,6 @@ class ModelRunner:
         if device.type == "cuda" and config.kernel_warmup:
             self._warmup_kernels()
         self.graphs = self._capture_graphs()
-        self._tail_pool = None
-        if self.graphs is not None and THREADED_GRAPH_TAIL:
-            self._tail_pool = ThreadPoolExecutor(1, thread_name_prefix="tqserve-graph-tail")
-        self._tail: Future | None = None
 
     # ---- setup -------------------------------------------------------------------------------
     def _make_backend(self):
@@ -285,8 +263,6 @@ class ModelRunner:
         `prev`: the step launched before, not collected yet (async scheduling): this step's deferred
         tokens are that step's samples, copied on the device. Every step's results are collected, in
         launch order, before the step after the next is launched."""
-        # the previous step's graph tail (worker thread) goes on the stream before anything of this one
-        self._join_tail()
         size = self.graphs.size_for(sched) if self.graphs is not None else 0
         inputs = self.graphs.build(self.builder, sched, size) if size else self.builder.build(sched)
         if inputs.deferred_rows:
@@ -303,8 +279,16 @@ class ModelRunner:
         if self.state_pool is not None and sched.state_restores:
             src, dst = zip(*sched.state_restores)
             self.state_pool.copy_slots(self._ids(src), self._ids(dst))
-        sampling = None
+        if size:
+            hidden = self.graphs.run(size, inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
+        if self.state_pool is not None and sched.state_saves:
+            src, dst = zip(*sched.state_saves)
+            self.state_pool.copy_slots(self._ids(src), self._ids(dst))
+        sampled = None
         if inputs.sample_request_ids:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
             reqs = [requests[r] for r in inputs.sample_request_ids]
             gens = [self._generator(r) for r in reqs]
             batch, counts = build_sampling_batch(reqs, gens, self.vocab_size, self.device)
@@ -314,45 +298,8 @@ class ModelRunner:
                     batch, inputs.sample_request_ids, inputs.deferred_request_ids, prev.inputs.sample_request_ids,
                     prev.sampled[0][0],
                 )  # fmt: skip
-            sampling = (batch, counts)
-        if size and self._tail_pool is not None:
-            handle = StepHandle(self, inputs, None, None, requests)
-            stream = torch.cuda.current_stream(self.device)
-            handle.tail = self._tail = self._tail_pool.submit(self._graph_tail, stream, handle, size, sched, sampling)
-            return handle
-        hidden = self._forward(size, inputs, sched)
-        return StepHandle(self, inputs, hidden, self._sample(hidden, inputs, sampling), requests)
-
-    def _forward(self, size: int, inputs, sched: SchedulerOutput) -> torch.Tensor:
-        if size:
-            hidden = self.graphs.run(size, inputs)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(self.backend, inputs.meta))
-        if self.state_pool is not None and sched.state_saves:
-            src, dst = zip(*sched.state_saves)
-            self.state_pool.copy_slots(self._ids(src), self._ids(dst))
-        return hidden
-
-    def _sample(self, hidden: torch.Tensor, inputs, sampling) -> tuple | None:
-        if sampling is None:
-            return None
-        batch, counts = sampling
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        return self.sampler.sample(logits, batch), counts
-
-    @torch.inference_mode()
-    def _graph_tail(self, stream, handle: StepHandle, size: int, sched: SchedulerOutput, sampling) -> None:
-        """Worker thread: the replay, state saves, logits, sampling and token copy of a graph step, on
-        the engine's stream (its current stream is per thread)."""
-        with torch.cuda.stream(stream):
-            handle.hidden = self._forward(size, handle.inputs, sched)
-            handle.sampled = self._sample(handle.hidden, handle.inputs, sampling)
-            handle._copy_out()
-
-    def _join_tail(self) -> None:
-        if self._tail is not None:
-            tail, self._tail = self._tail, None
-            tail.result()
+            sampled = (self.sampler.sample(logits, batch), counts)
+        return StepHandle(self, inputs, hidden, sampled, requests)
 
     @torch.inference_mode()
     def _collect(self, h: StepHandle) -> RunnerOutput:
