@@ -25,6 +25,7 @@ class RequestStatus(enum.Enum):
 
 for _s in RequestStatus:
     _s._finished = _s.value.startswith("finished")
+del _s
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",

@@ -33,6 +33,8 @@ def _run(tokenizer, kind, ids, end: RequestStatus, prompt, skip=True, abort_at=N
         req.output_token_ids.append(tok)
         if i == len(ids) - 1:
             req.status = end
+            if end == RequestStatus.FINISHED_STOPPED:
+                req.stop_reason = tok  # as `Scheduler._check_stop` sets it for a stop token id
         outs.extend(proc.process([req], {}, {})[0])
     return outs[-1]
 
@@ -46,8 +48,9 @@ def test_lazy_text_equals_eager(tokenizer, text, end):
         eager = _run(tokenizer, RequestOutputKind.CUMULATIVE, ids, end, prompt, skip)
         lazy = _run(tokenizer, RequestOutputKind.FINAL_ONLY, ids, end, prompt, skip)
         assert lazy.finished and eager.finished
-        got = [(o.text, o.token_ids, o.finish_reason) for o in lazy.outputs]
-        assert got == [(o.text, o.token_ids, o.finish_reason) for o in eager.outputs]
+        got = [(o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in lazy.outputs]
+        assert got == [(o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in eager.outputs]
+        assert lazy.outputs[0].stop_reason == (ids[-1] if end == RequestStatus.FINISHED_STOPPED else None)
         assert lazy.outputs[0].text  # the text is there, not left empty
 
 

@@ -106,8 +106,9 @@ class OutputProcessor:
         if req.status.finished or stopped:
             aborted = req.status == RequestStatus.FINISHED_ABORTED
             flushed = _detokenize_pending(state, final=not aborted)
-            if not stopped and not flushed:
-                out.text += state.detok.flush() if not aborted else ""
+            if not stopped:
+                if not flushed:
+                    out.text += state.detok.flush() if not aborted else ""
                 out.stop_reason = out.stop_reason if out.stop_reason is not None else req.stop_reason
             out.finish_reason = "stop" if stopped else FINISH_REASONS[req.status]
             if out.finish_reason == "abort":
