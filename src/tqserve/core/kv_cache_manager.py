@@ -293,8 +293,6 @@ class KVCacheManager:
 
     # ---- views for the runner ---------------------------------------------------------------
     def sink_slot(self, request_id: str) -> int:
-        if not self.sink_of_page:
-            return 0  # no sink copies (every preset without a sink): asked for every request of every step
         table = self.block_tables.get(request_id)
         return self.sink_of_page.get(table[0], 0) if table else 0
 
