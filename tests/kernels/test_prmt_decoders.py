@@ -29,6 +29,14 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX lop3.b32: bit k of the result is bit (a_k << 2 | b_k << 1 | c_k) of the 8-bit lut."""
+    out = 0
+    for k in range(32):
+        out |= (lut >> ((a >> k & 1) << 2 | (b >> k & 1) << 1 | (c >> k & 1)) & 1) << k
+    return out
+
+
 def _run(asm: str, inputs: dict[str, int], outputs: list[str]) -> list[int]:
     regs = dict(inputs)
 
@@ -46,8 +54,12 @@ def _run(asm: str, inputs: dict[str, int], outputs: list[str]) -> list[int]:
             regs[d] = val(args[0])
         elif op == "shr.u32":
             regs[d] = val(args[0]) >> val(args[1])
+        elif op == "shl.b32":
+            regs[d] = (val(args[0]) << val(args[1])) & MASK
         elif op == "and.b32":
             regs[d] = val(args[0]) & val(args[1])
+        elif op == "lop3.b32":
+            regs[d] = _lop3(val(args[0]), val(args[1]), val(args[2]), val(args[3]))
         elif op == "mad.lo.u32":
             regs[d] = (val(args[0]) * val(args[1]) + val(args[2])) & MASK
         elif op == "prmt.b32":
@@ -87,3 +99,26 @@ def test_prmt_pair_slices_decode_two_words():
             (out,) = _run(asm, {"$1": word}, ["$0"])
             a, b = word >> 2 * j & 3, word >> (16 + 2 * j) & 3
             assert out == c[a] | c[b] << 16, (hex(word), j)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_i8_keys_decode_eight_codes(head_dim):
+    """The int8 key decoder (`paged_decode_narrow.i8_keys_ptx`): 4 code bytes in $2 (sorted 4-bit indices,
+    nibble i = coordinate i) -> $0 = the int8 grid numbers x of nibbles 0-3, $1 = of nibbles 4-7, a byte each;
+    and the grid itself: the codec's float32 centroids are (x + 1/2) g."""
+    from tqserve.attention import paged_decode_narrow as narrow
+    from tqserve.kvquant.reference import tq_int8_grid
+
+    x, g = tq_int8_grid(4, head_dim)
+    cents = tq_codebook(4, head_dim)[0].double()
+    assert torch.allclose(cents, (torch.tensor(x, dtype=torch.float64) + 0.5) * g, rtol=1e-6, atol=0)
+    asm = narrow.i8_keys_ptx(x)
+    rng = random.Random(2)
+    words = [0, MASK, 0x76543210, 0xFEDCBA98, 0x88888888] + [rng.getrandbits(32) for _ in range(500)]
+    for word in words:
+        lo, hi = _run(asm, {"$2": word}, ["$0", "$1"])
+        got = [(lo >> 8 * i) & 0xFF for i in range(4)] + [(hi >> 8 * i) & 0xFF for i in range(4)]
+        want = [x[(word >> 4 * i) & 0xF] & 0xFF for i in range(8)]
+        assert got == want, hex(word)
+    with pytest.raises(AssertionError):
+        narrow.i8_keys_ptx(list(range(16)))  # not symmetric

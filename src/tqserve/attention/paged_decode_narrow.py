@@ -323,6 +323,70 @@ GUESS_PER_SM = {32: 16, 64: 8, 128: 4}
 _RESIDENT: dict[tuple, int] = {}  # launch key -> resident programs per SM of its compiled kernel
 
 
+# 4-bit codebook keys as int8 (KI8): the codec's 4-bit centroids lie on the grid (x + 1/2) g with int8 x
+# (`kvquant.codebooks.grid_codebook`), so a key tile decodes to x by byte permutes, four codes per PRMT and
+# 11 integer instructions per 8 codes (`i8_keys_ptx`; the fp16 shuffle decoders take 20, 8 of them shuffles
+# on the shared-memory pipe), and its scores are integer tensor-core dots (m16n8k32) against the query in 15-bit
+# fixed point as two int8 halves: s = g scale (256 (x . q_hi) + x . q_lo + sum(q) / 2), exact in int32.
+# 16-bit models only (float32 models keep the float32 centroids, `centroid_tables`: a 15-bit query is not
+# float32 precision); 0: the fp16 slice decoders, for A/B timing.
+KEYS_I8 = 1
+Q_FIX = 32639  # the fixed-point query's largest |value|: 127 * 256 + 127, so both int8 halves stay in range
+
+
+def keys_i8(layout, head_dim: int, model_f32: bool) -> bool:
+    """Whether a step's 4-bit codebook keys take the int8 path (`KEYS_I8`): 16-bit models, head sizes with
+    at least 32 bytes of codes per key (the K of an int8 dot)."""
+    four = layout.key_mode == CODEBOOK and layout.key_bits == 4 and head_dim // 2 >= 32
+    return bool(KEYS_I8) and four and not model_f32
+
+
+def i8_keys_ptx(x: list[int]) -> str:
+    """PTX of the int8 key decoder: $2 holds 4 bytes of a key's code stream (8 sorted 4-bit indices, coordinate
+    8 w + i in nibble i), $0 / $1 get the int8 centroid numbers x of nibbles 0-3 / 4-7. A sorted index i = (s, r)
+    (s = bit 3) has x_i = Tpos[r] when s (positive half) and ~Trev[r] = ~x_(15 - i) otherwise (the grid is
+    symmetric: x_i = ~x_(15 - i)): two PRMT lookups with the masked nibbles as selectors, a PRMT that turns the
+    nibbles' bit 3 into byte masks (sign-replicate selectors over the word and the word << 4), one LOP3."""
+    assert len(x) == 16 and all(x[i] == -1 - x[15 - i] for i in range(16)), "a symmetric int8 grid"
+    pos = paged_decode._byte_words([v & 0xFF for v in x[8:]])
+    rev = paged_decode._byte_words([v & 0xFF for v in x[15:7:-1]])
+    body = ".reg .b32 s, sh, w4, p0, p1, r0, r1, m0, m1, P0, P1, R0, R1;\n"
+    body += f"mov.b32 P0, {pos[0]:#x};\nmov.b32 P1, {pos[1]:#x};\nmov.b32 R0, {rev[0]:#x};\nmov.b32 R1, {rev[1]:#x};\n"
+    body += "and.b32 s, $2, 0x77777777;\nshr.u32 sh, s, 16;\nshl.b32 w4, $2, 4;\n"
+    body += "prmt.b32 p0, P0, P1, s;\nprmt.b32 r0, R0, R1, s;\nprmt.b32 p1, P0, P1, sh;\nprmt.b32 r1, R0, R1, sh;\n"
+    # byte j of m0: bit 3 of nibble j replicated (nibble 2k: msb of byte k of w << 4; 2k + 1: of byte k of w)
+    body += "prmt.b32 m0, $2, w4, 0x9d8c;\nprmt.b32 m1, $2, w4, 0xbfae;\n"
+    body += "lop3.b32 $0, p0, r0, m0, 0xb1;\nlop3.b32 $1, p1, r1, m1, 0xb1;\n"  # (p & m) | (~r & ~m)
+    return "{\n" + body + "}"
+
+
+def i8_key_decoder(layout) -> str:
+    """`i8_keys_ptx` of the layout's 4-bit key codebook on the GPU, "" under the interpreter (gathers from
+    `i8_key_table`); cached on the layout."""
+    if _interpreting():
+        return ""
+    cache = layout.__dict__.setdefault("_asm_cache", {})
+    if "i8_keys" not in cache:
+        from tqserve.kvquant.reference import tq_int8_grid
+
+        cache["i8_keys"] = i8_keys_ptx(tq_int8_grid(4, layout.head_dim)[0])
+    return cache["i8_keys"]
+
+
+def i8_key_table(layout, device) -> tuple[torch.Tensor, float]:
+    """(the 16 int8 centroid numbers x on `device`, the grid step g) of the layout's 4-bit keys: the gathers of
+    the interpreter's int8 key path and the scores' scale. Cached per device (built in warm-up, before any
+    CUDA graph is captured)."""
+    cache = layout.__dict__.setdefault("_asm_cache", {})
+    key = ("i8_table", str(device))
+    if key not in cache:
+        from tqserve.kvquant.reference import tq_int8_grid
+
+        x, g = tq_int8_grid(4, layout.head_dim)
+        cache[key] = (torch.tensor(x, dtype=torch.int8, device=device), g)
+    return cache[key]
+
+
 def eligible(layout, max_query_len: int, group: int) -> bool:
     """Decode and verify steps (up to MAX_QUERY_LEN tokens, at most MAX_COLS columns) of
     `paged_decode`-eligible layouts, with or without exact sink / window copies."""
@@ -580,7 +644,7 @@ def plan(
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
-    key += (tail_mask(layout, head_dim, max_query_len), paged_decode.LOOKUP, paged_decode.PRMT3)
+    key += (tail_mask(layout, head_dim, max_query_len), paged_decode.LOOKUP, paged_decode.PRMT3, KEYS_I8)
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -986,12 +1050,110 @@ def _finish_group(obase, lse_row, m_i, l_i, h_ok, D: tl.constexpr, NPART: tl.con
     return 1.0 / l_safe
 
 
+@triton.jit
+def _i8_keys(kp_ptr, tokp, nmask, kx_ptr, D: tl.constexpr, ASM: tl.constexpr):
+    """A key tile's int8 centroid numbers as two [keys, D / 2] halves (`KEYS_I8`): element 4 w + i of the first
+    is coordinate 8 w + i, of the second 8 w + 4 + i (i < 4). On the GPU from the tile's code bytes, four per
+    register (`i8_keys_ptx`); under the interpreter gathered from the table at kx_ptr."""
+    NB: tl.constexpr = D // 2  # code bytes per key: coordinates 2 b (low nibble) and 2 b + 1
+    bp = kp_ptr.to(tl.pointer_type(tl.uint8)) + tokp[:, None] * NB
+    if ASM != "":
+        w = tl.load(bp + tl.arange(0, NB)[None, :], mask=nmask[:, None], other=0)
+        k0, k1 = tl.inline_asm_elementwise(ASM, "=r,=r,r", [w], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    else:
+        r = tl.arange(0, NB)
+        c0 = 8 * (r // 4) + r % 4
+        b0 = tl.load(bp + (c0 // 2)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        b1 = tl.load(bp + (c0 // 2 + 2)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        sh = (4 * (c0 % 2))[None, :]
+        k0 = tl.load(kx_ptr + ((b0 >> sh) & 15))
+        k1 = tl.load(kx_ptr + ((b1 >> sh) & 15))
+    return k0, k1
+
+
+@triton.jit
+def _i8_scores(k0, k1, qa_hi, qa_lo, qb_hi, qb_lo, alpha, beta):
+    """Float32 scores [keys, N] of int8 keys against the fixed-point query's halves (exact int32 dots)."""
+    hi = tl.dot(k0, qa_hi, out_dtype=tl.int32)
+    hi = tl.dot(k1, qb_hi, hi, out_dtype=tl.int32)
+    lo = tl.dot(k0, qa_lo, out_dtype=tl.int32)
+    lo = tl.dot(k1, qb_lo, lo, out_dtype=tl.int32)
+    return (hi * 256 + lo).to(tl.float32) * alpha[None, :] + beta[None, :]
+
+
+@triton.jit
+def _fix_scale(amax, g):
+    """(1 / scale, scale * g) of a fixed-point query whose columns' largest |value| is amax (0 for zero columns)."""
+    live = amax > 0.0
+    inv = tl.where(live, 32639.0 / tl.where(live, amax, 1.0), 0.0)  # Q_FIX
+    return inv, tl.where(live, amax / 32639.0, 0.0) * g
+
+
+@triton.jit
+def _fix(y, inv):
+    return tl.floor(y * inv[None, :] + 0.5)
+
+
+@triton.jit
+def _q_i8_unpark(base, h_ok, D: tl.constexpr):
+    """The parked fixed-point query (int16 at base + coordinate, [1, N] pointers) read back as the int8 dots'
+    operands (qa_hi, qa_lo, qb_hi, qb_lo) [D / 2, N]: qa row 4 w + i is coordinate 8 w + i, qb's 8 w + 4 + i;
+    q = 256 hi + lo with lo in [-128, 127]."""
+    r = tl.arange(0, D // 2)
+    ca = (8 * (r // 4) + r % 4)[:, None]
+    m = h_ok[None, :]
+    va = tl.load(base + ca, mask=m, other=0).to(tl.int32)
+    vb = tl.load(base + ca + 4, mask=m, other=0).to(tl.int32)
+    ha = (va + 128) >> 8
+    hb = (vb + 128) >> 8
+    return ha.to(tl.int8), (va - ha * 256).to(tl.int8), hb.to(tl.int8), (vb - hb * 256).to(tl.int8)
+
+
+@triton.jit
+def _q_i8_rotated(
+    q_ptr, r_ptr, h_ptr, obase, tok, hq, h_ok, scale, g, D: tl.constexpr, PREC: tl.constexpr, ROT16: tl.constexpr
+):  # fmt: skip
+    """The int8 key path's query, rotated here (`_rot_q4` in float32): fixed point per column, parked in this
+    program's output rows (written last, as `_park_q4`) and read back in the dots' layout. Returns the four
+    operands, the columns' score scale alpha and offset beta (the grid's half step: sum(q) / 2 alpha)."""
+    y0, y1, y2, y3 = _rot_q4(q_ptr, r_ptr, h_ptr, tok, hq, h_ok, scale, D, tl.float32, PREC, ROT16)
+    a01 = tl.maximum(tl.max(tl.abs(y0), 0), tl.max(tl.abs(y1), 0))
+    amax = tl.maximum(a01, tl.maximum(tl.max(tl.abs(y2), 0), tl.max(tl.abs(y3), 0)))
+    inv, alpha = _fix_scale(amax, g)
+    y0, y1, y2, y3 = _fix(y0, inv), _fix(y1, inv), _fix(y2, inv), _fix(y3, inv)
+    qsum = tl.sum(y0, 0) + tl.sum(y1, 0) + tl.sum(y2, 0) + tl.sum(y3, 0)
+    base = obase.to(tl.pointer_type(tl.int16))
+    g4 = 4 * tl.arange(0, D // 4)[:, None]
+    m = h_ok[None, :]
+    tl.store(base + g4, y0.to(tl.int16), mask=m)
+    tl.store(base + g4 + 1, y1.to(tl.int16), mask=m)
+    tl.store(base + g4 + 2, y2.to(tl.int16), mask=m)
+    tl.store(base + g4 + 3, y3.to(tl.int16), mask=m)
+    tl.debug_barrier()
+    qa_hi, qa_lo, qb_hi, qb_lo = _q_i8_unpark(base, h_ok, D)
+    return qa_hi, qa_lo, qb_hi, qb_lo, alpha, 0.5 * qsum * alpha
+
+
+@triton.jit
+def _q_i8_loaded(q_ptr, obase, tok, hq, h_ok, scale, g, D: tl.constexpr):
+    """`_q_i8_rotated` for a query rotated before the launch (`rotate.rotate_rows`)."""
+    d = tl.arange(0, D)
+    y = tl.load(q_ptr + tok + hq[None, :] * D + d[:, None], mask=h_ok[None, :], other=0.0).to(tl.float32) * scale
+    inv, alpha = _fix_scale(tl.max(tl.abs(y), 0), g)
+    y = _fix(y, inv)
+    base = obase.to(tl.pointer_type(tl.int16))
+    tl.store(base + d[:, None], y.to(tl.int16), mask=h_ok[None, :])
+    tl.debug_barrier()
+    qa_hi, qa_lo, qb_hi, qb_lo = _q_i8_unpark(base, h_ok, D)
+    return qa_hi, qa_lo, qb_hi, qb_lo, alpha, 0.5 * tl.sum(y, 0) * alpha
+
+
 @triton.jit(do_not_specialize=["stride_ls"])
 def _narrow_decode_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, vz_ptr, kcb_ptr, vcb_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr, lse_ptr,
-    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr, vr_ptr, h_ptr,
+    qx_ptr, kn_ptr, vn_ptr, rk_ptr, rv_ptr, sk_ptr, sv_ptr, seqslot_ptr, sinkslot_ptr, r_ptr, vr_ptr, h_ptr, kx_ptr,
     stride_qt, stride_bt, stride_os, stride_ot, stride_ls, stride_lt, stride_qxt, stride_knt, stride_vnt,
-    split_n, qk_scale,
+    split_n, qk_scale, kgrid,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr, N2: tl.constexpr, NX: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_MODE: tl.constexpr, VAL_BITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
@@ -1004,7 +1166,7 @@ def _narrow_decode_kernel(
     VROT: tl.constexpr, RPREC: tl.constexpr, ROT16: tl.constexpr, ROWS32: tl.constexpr,
     DEFER_SUMS: tl.constexpr, LANE_SUMS: tl.constexpr, KPT: tl.constexpr,
     TAIL_MASK: tl.constexpr, KSCALED: tl.constexpr, VSCALED: tl.constexpr, KSPREAD: tl.constexpr,
-    VSPREAD: tl.constexpr,
+    VSPREAD: tl.constexpr, KI8: tl.constexpr, KIASM: tl.constexpr,
 ):  # fmt: skip
     HAS_EXACT: tl.constexpr = (SINK > 0) or (WINDOW > 0)
     # the exact values' own part of the output (`parts`): not with VROT, where every split accumulates in
@@ -1053,7 +1215,13 @@ def _narrow_decode_kernel(
     # SK / SV: coordinates per packed word of keys / values (4; 8 for 3-bit codes): q slice j holds
     # the query coordinates SK g + j, accumulator j the output coordinates SV g + j
     KV: tl.constexpr = D // SV
-    if QROT and SK == 8:  # q_ptr: the unrotated query, rotated here (`rotates_query`)
+    if KI8 and QROT:  # int8 keys (`KEYS_I8`): the query in fixed point, parked and read back as int8 halves
+        qa_hi, qa_lo, qb_hi, qb_lo, q_alpha, q_beta = _q_i8_rotated(
+            q_ptr, r_ptr, h_ptr, obase, tok, hq, h_ok, qk_scale * RSQRT_D, kgrid, D, PREC, ROT16
+        )
+    elif KI8:
+        qa_hi, qa_lo, qb_hi, qb_lo, q_alpha, q_beta = _q_i8_loaded(q_ptr, obase, tok, hq, h_ok, qk_scale, kgrid, D)
+    elif QROT and SK == 8:  # q_ptr: the unrotated query, rotated here (`rotates_query`)
         q0, q1, q2, q3, q4, q5, q6, q7 = _rot_q8(
             q_ptr, r_ptr, h_ptr, tok, hq, h_ok, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16
         )
@@ -1098,7 +1266,16 @@ def _narrow_decode_kernel(
     if N2 > 0:  # the second column group: its queries (r), softmax state and accumulators (b)
         h_ok2, hq2, tok_c2, qpos2 = _columns(N + tl.arange(0, N2), G, BLOCK_Q, qlen, kvh, q_start, seq_len)
         tok2 = tok_c2[None, :] * stride_qt
-        if QROT and SK == 8:
+        obase2 = out_ptr + pid_s * stride_os + tok_c2[None, :] * stride_ot + hq2[None, :] * (NPART * D)
+        if KI8 and QROT:
+            ra_hi, ra_lo, rb_hi, rb_lo, r_alpha, r_beta = _q_i8_rotated(
+                q_ptr, r_ptr, h_ptr, obase2, tok2, hq2, h_ok2, qk_scale * RSQRT_D, kgrid, D, PREC, ROT16
+            )
+        elif KI8:
+            ra_hi, ra_lo, rb_hi, rb_lo, r_alpha, r_beta = _q_i8_loaded(
+                q_ptr, obase2, tok2, hq2, h_ok2, qk_scale, kgrid, D
+            )
+        elif QROT and SK == 8:
             r0, r1, r2, r3, r4, r5, r6, r7 = _rot_q8(
                 q_ptr, r_ptr, h_ptr, tok2, hq2, h_ok2, qk_scale * RSQRT_D, D, pk_t, PREC, ROT16
             )  # fmt: skip
@@ -1159,9 +1336,10 @@ def _narrow_decode_kernel(
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < hi
             tokp = _tile_rows(bt_row, n, nmask, kvh, HKV, BS, ROWS32)
-            kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW, KPT)  # [keys, words]
+            if not KI8:
+                kw = _words(kp_ptr, tokp, nmask, KEY_BITS, SK, D, False, KRAW, KPT)  # [keys, words]
+                kw = _spread3(kw, KSPREAD)  # (3-bit codebook groups decoded by byte permutes: one code per nibble)
             vw = _value_rows(_words(vp_ptr, tokp, nmask, VAL_BITS, SV, D, True, VRAW), VPERM)  # [words, keys]
-            kw = _spread3(kw, KSPREAD)  # (3-bit codebook groups decoded by byte permutes: one code per nibble)
             vw = _spread3(vw, VSPREAD)
             if KSCALED:  # (fp8 cast keys have no scale)
                 ksc = _scalars(ks_ptr, tokp, nmask, PAIR_SCALARS)
@@ -1172,39 +1350,45 @@ def _narrow_decode_kernel(
             else:
                 vsc = tl.full([BLOCK_N], 1.0, tl.float32)
             # each decoded key slice serves both column groups (the 3-bit decoder is one string: KASM0)
-            k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t, KSPREAD != "")
-            s = tl.dot(k, q0, input_precision=PREC)
-            if N2 > 0:
-                s2 = tl.dot(k, r0, input_precision=PREC)
-            k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t, KSPREAD != "")
-            s = tl.dot(k, q1, s, input_precision=PREC)
-            if N2 > 0:
-                s2 = tl.dot(k, r1, s2, input_precision=PREC)
-            k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t, KSPREAD != "")
-            s = tl.dot(k, q2, s, input_precision=PREC)
-            if N2 > 0:
-                s2 = tl.dot(k, r2, s2, input_precision=PREC)
-            k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t, KSPREAD != "")
-            s = tl.dot(k, q3, s, input_precision=PREC)
-            if N2 > 0:
-                s2 = tl.dot(k, r3, s2, input_precision=PREC)
-            if SK == 8:
-                k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t, KSPREAD != "")
-                s = tl.dot(k, q4, s, input_precision=PREC)
+            if KI8:
+                k0, k1 = _i8_keys(kp_ptr, tokp, nmask, kx_ptr, D, KIASM)
+                s = _i8_scores(k0, k1, qa_hi, qa_lo, qb_hi, qb_lo, q_alpha, q_beta)
                 if N2 > 0:
-                    s2 = tl.dot(k, r4, s2, input_precision=PREC)
-                k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM1, pk_t, KSPREAD != "")
-                s = tl.dot(k, q5, s, input_precision=PREC)
+                    s2 = _i8_scores(k0, k1, ra_hi, ra_lo, rb_hi, rb_lo, r_alpha, r_beta)
+            else:
+                k = _cb_slice(kw, 0, kcb_ptr, KEY_BITS, KASM0, pk_t, KSPREAD != "")
+                s = tl.dot(k, q0, input_precision=PREC)
                 if N2 > 0:
-                    s2 = tl.dot(k, r5, s2, input_precision=PREC)
-                k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM2, pk_t, KSPREAD != "")
-                s = tl.dot(k, q6, s, input_precision=PREC)
+                    s2 = tl.dot(k, r0, input_precision=PREC)
+                k = _cb_slice(kw, 1, kcb_ptr, KEY_BITS, KASM1, pk_t, KSPREAD != "")
+                s = tl.dot(k, q1, s, input_precision=PREC)
                 if N2 > 0:
-                    s2 = tl.dot(k, r6, s2, input_precision=PREC)
-                k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM3, pk_t, KSPREAD != "")
-                s = tl.dot(k, q7, s, input_precision=PREC)
+                    s2 = tl.dot(k, r1, s2, input_precision=PREC)
+                k = _cb_slice(kw, 2, kcb_ptr, KEY_BITS, KASM2, pk_t, KSPREAD != "")
+                s = tl.dot(k, q2, s, input_precision=PREC)
                 if N2 > 0:
-                    s2 = tl.dot(k, r7, s2, input_precision=PREC)
+                    s2 = tl.dot(k, r2, s2, input_precision=PREC)
+                k = _cb_slice(kw, 3, kcb_ptr, KEY_BITS, KASM3, pk_t, KSPREAD != "")
+                s = tl.dot(k, q3, s, input_precision=PREC)
+                if N2 > 0:
+                    s2 = tl.dot(k, r3, s2, input_precision=PREC)
+                if SK == 8:
+                    k = _cb_slice(kw, 4, kcb_ptr, KEY_BITS, KASM0, pk_t, KSPREAD != "")
+                    s = tl.dot(k, q4, s, input_precision=PREC)
+                    if N2 > 0:
+                        s2 = tl.dot(k, r4, s2, input_precision=PREC)
+                    k = _cb_slice(kw, 5, kcb_ptr, KEY_BITS, KASM1, pk_t, KSPREAD != "")
+                    s = tl.dot(k, q5, s, input_precision=PREC)
+                    if N2 > 0:
+                        s2 = tl.dot(k, r5, s2, input_precision=PREC)
+                    k = _cb_slice(kw, 6, kcb_ptr, KEY_BITS, KASM2, pk_t, KSPREAD != "")
+                    s = tl.dot(k, q6, s, input_precision=PREC)
+                    if N2 > 0:
+                        s2 = tl.dot(k, r6, s2, input_precision=PREC)
+                    k = _cb_slice(kw, 7, kcb_ptr, KEY_BITS, KASM3, pk_t, KSPREAD != "")
+                    s = tl.dot(k, q7, s, input_precision=PREC)
+                    if N2 > 0:
+                        s2 = tl.dot(k, r7, s2, input_precision=PREC)
             if TAIL_MASK and ph == 1:  # a whole tile
                 s = s * ksc[:, None]
             else:
@@ -1353,7 +1537,6 @@ def _narrow_decode_kernel(
         _store_cols(obase, a6 + vs, inv_l, h_ok, 6, SV, D, VPERM)
         _store_cols(obase, a7 + vs, inv_l, h_ok, 7, SV, D, VPERM)
     if N2 > 0:
-        obase2 = out_ptr + pid_s * stride_os + tok_c2[None, :] * stride_ot + hq2[None, :] * (NPART * D)
         if VROT:
             if SV == 8:
                 b0, b1, b2, b3, b4, b5, b6, b7 = _unrotate8(b0, b1, b2, b3, b4, b5, b6, b7, vr_ptr, D, VPERM, RPREC)
@@ -1420,15 +1603,17 @@ def launch(
     n_cols = cols(meta.max_query_len, hq // hkv)
     n_first, n_second = col_groups(meta.max_query_len, hq // hkv)
     pairs = pair_scalars(layout, n_cols, (ks, vs, vz))
+    ki8 = keys_i8(layout, d, qx.dtype == torch.float32)
+    kx, kgrid = i8_key_table(layout, q.device) if ki8 else (None, 1.0)
     htab = None
     if rot is not None and rotation16(layout, d, meta.max_query_len, q.dtype, dot_f32):
         htab = hadamard_table(d // slices(layout.key_bits), q.dtype, q.device)
     kernel = _narrow_decode_kernel[grid](
         q, kp, ks, vp, vs, vz, kcb, vcb, meta.query_start_loc, meta.seq_lens, meta.block_tables, part, lse,
         qx, k_new, v_new, rk, rv, sk, sv, meta.seq_slots, meta.sink_slots, rot if rot is not None else qx,
-        vrot if vrot is not None else qx, htab if htab is not None else qx,
+        vrot if vrot is not None else qx, htab if htab is not None else qx, kx if kx is not None else qx,
         q.stride(0), meta.block_tables.stride(0), stride_os, hq * npart * d, lse.stride(0) if splits > 1 else 0, hq,
-        qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale,
+        qx.stride(0), k_new.stride(0), v_new.stride(0), split_n, qk_scale, kgrid,
         HKV=hkv, G=hq // hkv, BLOCK_Q=meta.max_query_len, N=n_first, N2=n_second, NX=n_cols, D=d,
         BS=kp.shape[2], BLOCK_N=block_n,
         KEY_BITS=layout.key_bits, VAL_MODE=layout.val_mode, VAL_BITS=layout.val_bits,
@@ -1448,6 +1633,7 @@ def launch(
         TAIL_MASK=tail_mask(layout, d, meta.max_query_len),
         KSCALED=layout.key_mode != DENSE or layout.key_scaled, VSCALED=layout.val_mode != DENSE or layout.val_scaled,
         KSPREAD=paged_decode.spread3_asm(layout, "k", kasm), VSPREAD=paged_decode.spread3_asm(layout, "v", vasm),
+        KI8=ki8, KIASM=i8_key_decoder(layout) if ki8 else "",
         num_warps=warps, num_stages=stages, **({"maxnreg": key[-1]} if key[-1] else {}),
     )  # fmt: skip
     LAST_LAUNCH["kernel"] = kernel

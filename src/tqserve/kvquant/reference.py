@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from tqserve.kvquant.codebooks import gaussian_codebook
+from tqserve.kvquant.codebooks import GRID_BITS, gaussian_codebook, grid_codebook
 from tqserve.kvquant.packing import pack_bits, unpack_bits
 from tqserve.kvquant.rotation import Rotation, fwht
 
@@ -71,9 +71,20 @@ def _div(x: torch.Tensor, d: float) -> torch.Tensor:
 
 
 def tq_codebook(bits: int, head_dim: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(centroids [2^b], boundaries [2^b - 1]) float32 for unit vectors of size head_dim."""
-    c, b = gaussian_codebook(bits).scaled(head_dim)
+    """(centroids [2^b], boundaries [2^b - 1]) float32 for unit vectors of size head_dim: Lloyd-Max for
+    N(0, 1) scaled by 1 / sqrt(head_dim), on the int8 half-step grid at GRID_BITS (`grid_codebook`)."""
+    cb = grid_codebook(bits)[0] if bits in GRID_BITS else gaussian_codebook(bits)
+    c, b = cb.scaled(head_dim)
     return c.to(device), b.to(device)
+
+
+def tq_int8_grid(bits: int, head_dim: int) -> tuple[list[int], float]:
+    """(x [2^b] ints, g): the codec's centroids for unit vectors of size head_dim are (x + 1/2) g, g =
+    step / sqrt(head_dim) (bits in GRID_BITS). The int8 key path of the narrow decode kernel decodes to x."""
+    if bits not in GRID_BITS:
+        raise ValueError(f"no int8 grid for {bits}-bit codebooks (grid widths: {GRID_BITS})")
+    _, x, step = grid_codebook(bits)
+    return [int(v) for v in x], step / math.sqrt(head_dim)
 
 
 def tq_quantize_rotated(y: torch.Tensor, bits: int) -> torch.Tensor:
