@@ -58,6 +58,8 @@ def _run(asm: str, inputs: dict[str, int], outputs: list[str]) -> list[int]:
             regs[d] = (val(args[0]) << val(args[1])) & MASK
         elif op == "and.b32":
             regs[d] = val(args[0]) & val(args[1])
+        elif op == "xor.b32":
+            regs[d] = val(args[0]) ^ val(args[1])
         elif op == "lop3.b32":
             regs[d] = _lop3(val(args[0]), val(args[1]), val(args[2]), val(args[3]))
         elif op == "mad.lo.u32":

@@ -87,15 +87,17 @@ ROWS32 = 1
 #   tq3            0.4394 / - / 0.4362 / -            (exact copies: never deferred)
 # and neither for k3v4_nc (0.4998 / 0.5142 / 0.5046 / 0.5139), tq_k4v4_nc (0.5352 / 0.5724 / 0.5371 /
 # 0.5999; d = 64 and 256 alike) and 4bit_nc at d = 64 (64 x 4K: 0.0428 / 0.0438 / 0.0432 / 0.0441). Verify
-# steps are the same either way.
+# steps are the same either way. With int8 keys (`KEYS_I8`, forty-first session, H200, one call) 4bit_nc at d =
+# 128 takes both: deferred / both 0.3841 / 0.3694 ms (1 x 128K 0.0666 / 0.0642).
 DECODE_COLS = 8
 DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
-    (4, MINMAX, 4, 128, False): (True, False),
+    (4, MINMAX, 4, 128, False): (True, True),
     (3, MINMAX, 3, 128, False): (True, True),
     (4, MINMAX, 4, 256, False): (False, True),
     (4, CODEBOOK, 2, 128, True): (False, True),
 }
 DEFER_SUMS = 1  # 0: never defer (A/B knob)
+LAZY_DECODE = 0  # 1: every decode step rescales lazily (A/B knob)
 # Lazy-rescale steps keep per-lane partial sums of the softmax denominator and min-max zero terms
 # (`_lane_sums`), reduced across lanes after the loop: 0 never, 1 in verify steps, 2 in lazy decode steps too.
 # H200 32 x 5 x 32K verify, ms off / on: 4bit_nc 0.668 / 0.629, tq3 0.736 / 0.684, k3v4_nc 0.742 / 0.672,
@@ -334,11 +336,14 @@ KEYS_I8 = 1
 Q_FIX = 32639  # the fixed-point query's largest |value|: 127 * 256 + 127, so both int8 halves stay in range
 
 
-def keys_i8(layout, head_dim: int, model_f32: bool) -> bool:
+def keys_i8(layout, head_dim: int, model_f32: bool, max_query_len: int = 1) -> bool:
     """Whether a step's 4-bit codebook keys take the int8 path (`KEYS_I8`): 16-bit models, head sizes with
-    at least 32 bytes of codes per key (the K of an int8 dot)."""
+    at least 32 bytes of codes per key (the K of an int8 dot); decode steps, and verify steps over min-max
+    values (measured: H200, 32 x 5 x 32K, fp16 slices -> int8 keys: 4bit_nc 0.608 -> 0.565 ms, but tq3 0.682
+    -> 0.768 and tq_k4v4_nc 0.724 -> 0.736, whose codebook values hold more registers)."""
     four = layout.key_mode == CODEBOOK and layout.key_bits == 4 and head_dim // 2 >= 32
-    return bool(KEYS_I8) and four and not model_f32
+    step = max_query_len <= 1 or layout.val_mode == MINMAX
+    return bool(KEYS_I8) and four and step and not model_f32
 
 
 def i8_keys_ptx(x: list[int]) -> str:
@@ -346,7 +351,10 @@ def i8_keys_ptx(x: list[int]) -> str:
     8 w + i in nibble i), $0 / $1 get the int8 centroid numbers x of nibbles 0-3 / 4-7. A sorted index i = (s, r)
     (s = bit 3) has x_i = Tpos[r] when s (positive half) and ~Trev[r] = ~x_(15 - i) otherwise (the grid is
     symmetric: x_i = ~x_(15 - i)): two PRMT lookups with the masked nibbles as selectors, a PRMT that turns the
-    nibbles' bit 3 into byte masks (sign-replicate selectors over the word and the word << 4), one LOP3."""
+    nibbles' bit 3 into byte masks (sign-replicate selectors over the word and the word << 4), one LOP3.
+    (ptxas keeps two of the four table words as immediates and rematerializes the other two from uniform
+    registers, ~4 IMAD.U32 per 8 codes at 128 registers; looking Trev[r] up as T[7 - r], one table register and
+    two more instructions, was slower: H200, 4bit_nc 32 x 32K 0.3841 -> 0.4045 ms.)"""
     assert len(x) == 16 and all(x[i] == -1 - x[15 - i] for i in range(16)), "a symmetric int8 grid"
     pos = paged_decode._byte_words([v & 0xFF for v in x[8:]])
     rev = paged_decode._byte_words([v & 0xFF for v in x[15:7:-1]])
@@ -411,7 +419,8 @@ def _decode_sums(layout, head_dim: int, n_cols: int) -> tuple[bool, bool]:
     if n_cols > DECODE_COLS:
         return False, False
     exact = bool(layout.sink or layout.window)
-    return DECODE_SUMS.get((layout.key_bits, layout.val_mode, layout.val_bits, head_dim, exact), (False, False))
+    defer, lazy = DECODE_SUMS.get((layout.key_bits, layout.val_mode, layout.val_bits, head_dim, exact), (False, False))
+    return defer, lazy or bool(LAZY_DECODE)
 
 
 def lazy_tau(layout, head_dim: int, n_cols: int) -> float:
@@ -644,7 +653,12 @@ def plan(
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
     key += (lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
-    key += (tail_mask(layout, head_dim, max_query_len), paged_decode.LOOKUP, paged_decode.PRMT3, KEYS_I8)
+    key += (
+        tail_mask(layout, head_dim, max_query_len),
+        paged_decode.LOOKUP,
+        paged_decode.PRMT3,
+        KEYS_I8,
+    )
     key += (warps, block_n, stages, maxnreg)
     per_sm = _RESIDENT.get(key, GUESS_PER_SM.get(block_n, 8))
     return warps, block_n, stages, pick_splits(pairs, max_seq_len, block_n, per_sm, sms, exact), key
@@ -1075,8 +1089,8 @@ def _i8_keys(kp_ptr, tokp, nmask, kx_ptr, D: tl.constexpr, ASM: tl.constexpr):
 def _i8_scores(k0, k1, qa_hi, qa_lo, qb_hi, qb_lo, alpha, beta):
     """Float32 scores [keys, N] of int8 keys against the fixed-point query's halves (exact int32 dots)."""
     hi = tl.dot(k0, qa_hi, out_dtype=tl.int32)
-    hi = tl.dot(k1, qb_hi, hi, out_dtype=tl.int32)
     lo = tl.dot(k0, qa_lo, out_dtype=tl.int32)
+    hi = tl.dot(k1, qb_hi, hi, out_dtype=tl.int32)
     lo = tl.dot(k1, qb_lo, lo, out_dtype=tl.int32)
     return (hi * 256 + lo).to(tl.float32) * alpha[None, :] + beta[None, :]
 
@@ -1603,7 +1617,7 @@ def launch(
     n_cols = cols(meta.max_query_len, hq // hkv)
     n_first, n_second = col_groups(meta.max_query_len, hq // hkv)
     pairs = pair_scalars(layout, n_cols, (ks, vs, vz))
-    ki8 = keys_i8(layout, d, qx.dtype == torch.float32)
+    ki8 = keys_i8(layout, d, qx.dtype == torch.float32, meta.max_query_len)
     kx, kgrid = i8_key_table(layout, q.device) if ki8 else (None, 1.0)
     htab = None
     if rot is not None and rotation16(layout, d, meta.max_query_len, q.dtype, dot_f32):
