@@ -630,6 +630,36 @@ def test_narrow_column_groups_rule(monkeypatch):
     assert narrow.plan(lay, 128, 4, 5, 64, 32768, 132, DEV)[4] != key  # a launch key of its own
 
 
+def test_int8_keys_rule(monkeypatch):
+    """4-bit codebook keys take the int8 path (`KEYS_I8`) in decode steps of 16-bit models, and in verify steps
+    only over min-max values; float32 models, other key widths and head sizes under 64 keep the fp16 slices."""
+    bit4, tq3, k4v4 = _layout("turboquant_4bit_nc"), _layout("tq3"), _layout("tq_k4v4_nc")
+    assert narrow.keys_i8(bit4, 128, False, 1) and narrow.keys_i8(bit4, 64, False, 1)
+    assert narrow.keys_i8(bit4, 128, False, 5)  # min-max values: verify too
+    assert narrow.keys_i8(tq3, 128, False, 1) and not narrow.keys_i8(tq3, 128, False, 5)
+    assert narrow.keys_i8(k4v4, 128, False, 1) and not narrow.keys_i8(k4v4, 128, False, 5)
+    assert not narrow.keys_i8(bit4, 128, True, 1)  # float32 model
+    assert not narrow.keys_i8(bit4, 32, False, 1)  # 16 code bytes per key: under an int8 dot's K
+    for preset in ("turboquant_3bit_nc", "tq_k2v4_nc", "tq4"):
+        assert not narrow.keys_i8(_layout(preset), 128, False, 1), preset
+    monkeypatch.setattr(narrow, "KEYS_I8", 0)
+    assert not narrow.keys_i8(bit4, 128, False, 1)
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3"])
+@pytest.mark.parametrize("qlen", [1, 5])
+def test_int8_keys_match_fp16_slices(preset, qlen, narrow_spy, monkeypatch):
+    """The same step with int8 keys and with the fp16 slice decoders: both are the reference's attention to bf16
+    rounding (the 15-bit fixed-point query and the fp16 query round differently)."""
+    run = _layer_step(preset, [37, 90, 5], qlen, seed=3, hq=8, hkv=2, d=128)
+    monkeypatch.setattr(narrow, "KEYS_I8", 1)
+    a = run(None).float()
+    monkeypatch.setattr(narrow, "KEYS_I8", 0)
+    b = run(None).float()
+    assert narrow_spy and not a.isnan().any()
+    assert float((a - b).norm() / b.norm()) < 4e-3
+
+
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "tq3", "turboquant_3bit_nc", "tq_k4v4_ub"])
 @pytest.mark.parametrize("tau", [0.0, 8.0])
 def test_narrow_column_groups(preset, tau, narrow_spy, monkeypatch):

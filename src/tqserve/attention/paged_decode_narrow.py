@@ -19,8 +19,10 @@ the H100, eighteenth session). The decoding of the packed words is the same elem
 decoders as `paged_decode` (inline-PTX shuffles / magic numbers on the GPU, fp16 gathers in the
 interpreter): a register pair holds two consecutive words of one key (scores) or one word of two
 consecutive keys (values), as there, except 2-bit codebook values: their byte words stay bytes, four
-per register, decoded by byte permutes (`byte_values`, `paged_decode.prmt_slices_b8`). Split-K fills
-one wave of resident programs (`pick_splits`).
+per register, decoded by byte permutes (`byte_values`, `paged_decode.prmt_slices_b8`). 4-bit codebook keys of
+16-bit models skip the fp16 slices (`KEYS_I8`): their centroids lie on an int8 grid, so a tile decodes to int8
+numbers four per byte permute and its scores are integer dots against a fixed-point query, in two halves of
+d / 2 coordinates (8 w + i and 8 w + 4 + i). Split-K fills one wave of resident programs (`pick_splits`).
 
 Served here: steps of up to MAX_QUERY_LEN tokens per request with at most MAX_COLS columns over the
 `paged_decode.eligible` layouts (2- / 3- / 4- / 5-bit codebook or fp8 keys, 2- / 3- / 4-bit codebook or min-max
