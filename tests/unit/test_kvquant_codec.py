@@ -213,12 +213,13 @@ def test_minmax_round_trip_error_bounded(bits):
 
 
 def test_grid_codebooks_are_lloyd_max_on_int8_half_steps():
-    """The codec's 3- and 4-bit codebooks (`grid_codebook`): centroids (x + 1/2) step with int8 x, symmetric
+    """The codec's 4-bit codebook (`grid_codebook`; 3 bits checked too): centroids (x + 1/2) step with int8 x, symmetric
     (x_i = ~x_(L-1-i)), boundaries at midpoints, each centroid the grid point nearest its cell's conditional
     mean, and a distortion within 0.1% of the free Lloyd-Max optimum; `tq_codebook` serves them, others stay."""
     from tqserve.kvquant.codebooks import GRID_BITS, grid_codebook
 
-    for bits in GRID_BITS:
+    assert GRID_BITS == (4,)
+    for bits in (3, 4):
         cb, x, step = grid_codebook(bits)
         free = gaussian_codebook(bits)
         assert x.numel() == 1 << bits and int(x.max()) <= 127 and int(x.min()) >= -128
@@ -232,10 +233,13 @@ def test_grid_codebooks_are_lloyd_max_on_int8_half_steps():
         for i in range(1 << bits):
             mean = t[cell == i].mean()
             assert abs(float(mean) / step - 0.5 - float(x[i])) < 0.5 + 0.05, (bits, i)
+        if bits not in GRID_BITS:
+            continue
         c32, b32 = ref.tq_codebook(bits, 128)
         assert torch.allclose(c32.double(), cb.centroids / 128**0.5, rtol=1e-6)
         xs, g = ref.tq_int8_grid(bits, 128)
         assert xs == x.tolist() and g == pytest.approx(step / 128**0.5)
-    assert torch.allclose(ref.tq_codebook(5, 64)[0].double(), gaussian_codebook(5).centroids / 8, rtol=1e-6)
-    with pytest.raises(ValueError):
-        ref.tq_int8_grid(5, 128)
+    for bits in (3, 5):  # the free Lloyd-Max codebooks elsewhere
+        assert torch.allclose(ref.tq_codebook(bits, 64)[0].double(), gaussian_codebook(bits).centroids / 8, rtol=1e-6)
+        with pytest.raises(ValueError):
+            ref.tq_int8_grid(bits, 128)

@@ -133,8 +133,10 @@ def expected_sphere_distortion(bits: int, d: int) -> float:
 
 # Bit widths whose codec codebook lies on the grid (x + 1/2) * step, x an int8 (`grid_codebook`): the narrow
 # decode kernel then reads keys as int8 centroid numbers (four per byte permute) and scores them with integer
-# tensor-core dots against a 15-bit fixed-point query, exactly (`attention/paged_decode_narrow.py`, KI8).
-GRID_BITS = (3, 4)
+# tensor-core dots against a 15-bit fixed-point query, exactly (`attention/paged_decode_narrow.py`, KI8). 4 bits
+# only, where a kernel reads the grid: at 3 bits it moved turboquant_3bit_nc's perplexity on one 2K window of
+# SmolLM2 from +34.4% to +37.0% (CPU, float32; 4-bit presets moved within noise, docs/kv-quality.md).
+GRID_BITS = (4,)
 GRID_MAX = 127  # the largest x: the top centroid is (127 + 1/2) step at most
 
 
@@ -193,7 +195,7 @@ def _grid(bits: int) -> tuple[tuple[int, ...], float, float]:
 
 def grid_codebook(bits: int) -> tuple[Codebook, torch.Tensor, float]:
     """(codebook, x int64 [2^b], step) of the Lloyd-Max quantizer for N(0, 1) whose centroids are (x + 1/2) step
-    with int8 x (ascending; symmetric: x_i = ~x_(2^b - 1 - i)). Its distortion is within 0.5% of the free
+    with int8 x (ascending; symmetric: x_i = ~x_(2^b - 1 - i)). Its distortion is within 0.05% of the free
     optimum's at 3 and 4 bits (the grid's half-step is ~0.011 of the unit variance)."""
     xs, step, dist = _grid(bits)
     x = torch.tensor(xs, dtype=torch.int64)
