@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 
 from test_paged_attention import _check_one_step  # noqa: E402
 
-from tqserve.attention import finish, paged, paged_decode  # noqa: E402
+from tqserve.attention import finish, paged, paged_decode, rotate  # noqa: E402
 from tqserve.attention import paged_decode_narrow as narrow  # noqa: E402
 from tqserve.bench.kernels import Case, _bench, copy_bandwidth, sdpa_decode_ms  # noqa: E402
 
@@ -61,8 +61,8 @@ def checks() -> None:
 
 def _apply(variant: str) -> str:
     """Set decode-kernel knobs from "NAME=VALUE;narrow.NAME=VALUE" (`paged_decode`, or with the prefix
-    `narrow.` those of `paged_decode_narrow`, `finish.` those of the split-K combine, `paged.` the general
-    kernel's); returns the string that undoes it."""
+    `narrow.` those of `paged_decode_narrow`, `finish.` those of the split-K combine, `rotate.` the query
+    rotation's, `paged.` the general kernel's); returns the string that undoes it."""
     undo = []
     for kv in filter(None, variant.split(";")):
         name, val = kv.split("=")
@@ -74,7 +74,7 @@ def _apply(variant: str) -> str:
             package.paged_decode_narrow = MODULES[val]
             continue
         prefix, _, attr = name.rpartition(".")
-        module = {"": paged_decode, "narrow": narrow, "finish": finish, "paged": paged}[prefix]
+        module = {"": paged_decode, "narrow": narrow, "finish": finish, "paged": paged, "rotate": rotate}[prefix]
         old = getattr(module, attr)
         undo.append(f"{name}={int(old) if isinstance(old, bool) else old}")
         setattr(module, attr, type(old)(int(val) if val.isdigit() else val))

@@ -15,6 +15,7 @@ import torch
 KERNELS = [
     ("tqserve.attention.paged", "_paged_attn_kernel"),
     ("tqserve.attention.finish", "_split_reduce_kernel"),
+    ("tqserve.attention.finish", "_split_rows_kernel"),
     ("tqserve.attention.finish", "_finish_kernel"),
     ("tqserve.attention.paged_decode", "_decode_kernel"),
     ("tqserve.attention.paged_decode_narrow", "_narrow_decode_kernel"),

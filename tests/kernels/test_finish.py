@@ -94,3 +94,43 @@ def test_combine_splits_many_columns_per_row(monkeypatch, part_first):
     combine_splits(part, lse, red, splits, T, hq, w)
     want = _want(part.cpu(), lse.cpu(), splits, 1, None, T, w)
     torch.testing.assert_close(red.double().cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits,w", [(2, 64), (4, 128), (7, 256), (16, 128)])
+def test_combine_splits_whole_rows(splits, w):
+    """Few splits (`COMBINE_ROWS_MAX_SPLITS`): programs of several whole rows, a row count that leaves the
+    last program partly empty, splits without keys in some rows; rows past num_tokens are not written."""
+    dev = _device()
+    gen = torch.Generator().manual_seed(splits * 11 + w)
+    T, hq, num_tokens = 23, 7, 21
+    part = torch.randn(splits, T, hq, w, generator=gen).to(dev)
+    lse = (torch.randn(splits, T, hq, generator=gen) * 4).to(dev)
+    lse[splits - 1, 3, 2] = float("-inf")
+    part[splits - 1, 3, 2] = float("nan")
+    lse[0, 20, :] = float("-inf")
+    part[0, 20, :] = float("nan")
+    red = torch.full((T, hq, w), float("nan"), device=dev)
+    combine_splits(part, lse, red, splits, num_tokens, hq, w)
+    want = _want(part.cpu(), lse.cpu(), splits, 1, None, T, w)
+    torch.testing.assert_close(red[:num_tokens].double().cpu(), want[:num_tokens], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(red[num_tokens:]).all()
+
+
+@pytest.mark.parametrize("d", [80, 128])
+def test_backend_warm_up_builds_tables(d):
+    """The Triton backend's warm-up compiles the combines and builds the query rotation's Hadamard table at
+    power-of-two head sizes (a table made during graph capture would be a capture error), and passes by
+    the others (d = 80: two Hadamard blocks, no table)."""
+    from tqserve.attention import rotate
+    from tqserve.attention.reference import KVCacheStore
+    from tqserve.attention.triton_backend import TritonAttentionBackend
+    from tqserve.kvquant.presets import make_layer_format
+
+    dev = _device()
+    fmt = make_layer_format("turboquant_4bit_nc", 0, 1, d, torch.bfloat16)
+    backend = TritonAttentionBackend(KVCacheStore([fmt], 2, 16, 1, 1, dev))
+    backend.num_q_heads = 2
+    backend.warm_up()
+    assert ((d, torch.bfloat16, str(dev)) in rotate._HADAMARD) == (d == 128)
+    if d == 128:
+        assert torch.equal(rotate._HADAMARD[(d, torch.bfloat16, str(dev))].float().abs(), torch.ones(d, d, device=dev))

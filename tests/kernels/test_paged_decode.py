@@ -978,18 +978,22 @@ def test_narrow_decode_sums(preset, defer, lazy_tau, narrow_spy, monkeypatch):
 
 def test_decode_sums_table(monkeypatch):
     """`DECODE_SUMS` picks per layout for decode steps only; the A/B knob switches deferring off."""
-    assert narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 8)
-    assert not narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 32)  # verify
+    assert narrow.defer_sums(_layout("turboquant_3bit_nc"), 128, 8)
+    assert not narrow.defer_sums(_layout("turboquant_3bit_nc"), 128, 32)  # verify
+    assert not narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 8)  # lazy with lane sums instead
+    assert narrow.lazy_tau(_layout("turboquant_4bit_nc"), 128, 8) == narrow.LAZY_TAU
     assert not narrow.defer_sums(_layout("turboquant_4bit_nc", d=64), 64, 8)
     assert narrow.lazy_tau(_layout("tq3"), 128, 8) == narrow.LAZY_TAU
     assert narrow.lazy_tau(_layout("tq_k4v4_nc"), 128, 8) == 0.0
     assert narrow.lazy_tau(_layout("tq_k4v4_nc"), 128, 32) == narrow.LAZY_TAU
     monkeypatch.setattr(narrow, "DEFER_SUMS", 0)
-    assert not narrow.defer_sums(_layout("turboquant_4bit_nc"), 128, 8)
-    # the A/B knobs' modes: 1 is verify steps only
-    assert not narrow.lane_sums(1) and narrow.lane_sums(5)
+    assert not narrow.defer_sums(_layout("turboquant_3bit_nc"), 128, 8)
+    # the A/B knobs' modes: 1 is verify steps and the decode steps of `DECODE_LANES` layouts
+    assert not narrow.lane_sums(_layout("tq3"), 128, 1) and narrow.lane_sums(_layout("tq3"), 128, 5)
+    assert narrow.lane_sums(_layout("turboquant_4bit_nc"), 128, 1)
+    assert not narrow.lane_sums(_layout("turboquant_4bit_nc", d=64), 64, 1)
     monkeypatch.setattr(narrow, "LANE_SUMS", 2)
-    assert narrow.lane_sums(1)
+    assert narrow.lane_sums(_layout("tq3"), 128, 1)
     # the split loop: min-max values at d = 128 without exact copies in every step, `TAIL_VERIFY` in verify steps
     tail = narrow.tail_mask
     assert tail(_layout("turboquant_4bit_nc"), 128, 1) and tail(_layout("turboquant_4bit_nc"), 128, 5)

@@ -45,3 +45,23 @@ def test_rotate_rows_rejects_bad_rotation(fn):
         fn(torch.randn(2, 64, device=DEV), torch.randn(64, 64, device=DEV).half())
     with pytest.raises(ValueError, match="x must be"):
         fn(torch.randn(2, 2, 2, 64, device=DEV), _rot(64))
+
+
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,heads", [(3, 7), (160, 32)])
+def test_rotate_rows_hadamard_matches_reference(d, dtype, tokens, heads):
+    """`hadamard=True` (R a randomized Hadamard block): 16-bit rows at a power-of-two d take one 16-bit dot
+    (`_hadamard_kernel`, on the GPU), everything else the general kernel; the same result either way, to
+    float32 rounding. 160 x 32 rows is a 32 x 5 verify step's query (GPU only: ~45 s under the interpreter)."""
+    if DEV == "cpu" and tokens * heads > 64:
+        pytest.skip("real-size rows run on the GPU")
+    gen = torch.Generator().manual_seed(d * 3 + tokens)
+    qkv = (torch.randn(tokens, heads + 2, d, generator=gen) * 3).to(DEV, dtype)
+    x = qkv[:, :heads]
+    rot = _rot(d)
+    want = rotate_rows_reference(x, rot)
+    got = rotate_rows(x, rot, hadamard=True)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotate_rows_kernel(x, rot, hadamard=True), want, rtol=1e-5, atol=1e-5)

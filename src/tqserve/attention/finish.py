@@ -37,6 +37,18 @@ COMBINE_MIN_W = 16
 # combine program overlap instead of following each other (0: the load after the weights). H100,
 # twenty-sixth session, 4bit_nc 1 x 128K, medians of 3 (0 / 1): 0.0805 / 0.0802 ms, 0.0810 / 0.0805 (bs 32)
 COMBINE_PART_FIRST = 1
+# Steps with few splits (decode and verify steps of a batch) combine whole rows instead: a program takes
+# COMBINE_ROWS_TILE // width rows and walks the splits in a static loop, so the loads of every split of its
+# rows are in flight at once. The [splits, columns] program above spends 4 warps on one row's 4-16 floats per
+# thread and waits on two dependent L2 round trips: H200 (forty-second session, `kernel_probe.py`), 16.0 us of
+# a 32 x 5 x 32K verify step (5,120 rows x 4 splits x 128 columns, 10.5 MB of partials) and 5.0 us of a
+# 32 x 32K decode step (1,024 rows x 8 splits); whole rows: 4.1 and 3.4 us (replays, medians of 3: 4bit_nc verify
+# 0.5626 -> 0.5508 ms with the Hadamard rotation, decode 0.3667 -> 0.3654). Tiles of 512 / 256 floats: 4bit_nc
+# decode 0.3673 / 0.3685 ms against 0.3658, tq3 decode (256 columns: page and exact parts) 0.3909 / 0.3905
+# against 0.3936, verify alike within 1% (2% slower at 256 for 4bit_nc).
+COMBINE_ROWS_MAX_SPLITS = 16
+COMBINE_ROWS_TILE = 1024
+COMBINE_ROWS_WARPS = 4
 # Rows x output columns of one `_finish_kernel` program (tl.dot needs 16 of each).
 FINISH_ROWS = 16
 FINISH_COLS = 64
@@ -67,6 +79,38 @@ def _split_reduce_kernel(
     o = tl.where(w[:, None] > 0.0, o, 0.0)  # a split with no keys may have written anything
     res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * W + c, res.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_splits", "stride_ls"])  # tokens x heads, split count
+def _split_rows_kernel(
+    part_ptr, lse_ptr, out_ptr, n_rows, n_splits, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
+    HQ: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
+    """`_split_reduce_kernel` for rows r = token * HQ + head in [r0, r0 + BR), all W columns: the splits'
+    largest log-sum-exp first, then each split's partials weighted by exp2(lse - max), in split order."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    live = r < n_rows
+    t = (r // HQ).to(tl.int64)
+    h = r % HQ
+    c = tl.arange(0, WP)
+    cm = c < W
+    prow = part_ptr + (t * stride_pt + h * W)[:, None] + c[None, :]
+    lrow = lse_ptr + t * stride_lt + h
+    m = tl.full([BR], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(SP):
+        ok = live & (tl.zeros([BR], dtype=tl.int32) + s < n_splits)
+        m = tl.maximum(m, tl.load(lrow + stride_ls * s, mask=ok, other=float("-inf")))
+    acc = tl.zeros([BR, WP], dtype=tl.float32)
+    den = tl.zeros([BR], dtype=tl.float32)
+    for s in tl.static_range(SP):
+        ok = live & (tl.zeros([BR], dtype=tl.int32) + s < n_splits)
+        o = tl.load(prow + tl.full([], s, tl.int64) * stride_ps, mask=ok[:, None] & cm[None, :], other=0.0)
+        ls = tl.load(lrow + stride_ls * s, mask=ok, other=float("-inf"))
+        w = tl.where(ls > float("-inf"), tl.exp2(ls - m), 0.0)
+        acc += w[:, None] * tl.where(w[:, None] > 0.0, o, 0.0)  # a split with no keys may have written anything
+        den += w
+    dst = out_ptr + (t * stride_ot + h * W)[:, None] + c[None, :]
+    tl.store(dst, (acc / den[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None] & cm[None, :])
 
 
 @triton.jit(do_not_specialize=["rows", "n_out"])  # tokens x heads: one binary for every step size
@@ -106,6 +150,14 @@ def combine_width(splits: int, w: int) -> int:
 def combine_splits(part, lse, red, splits: int, num_tokens: int, hq: int, w: int) -> None:
     """Split-K partials [splits, T, hq, w] + log-sum-exps [splits, T, hq] -> red [T, hq, w] (rows of
     the first num_tokens tokens; red's heads and columns packed)."""
+    if splits <= COMBINE_ROWS_MAX_SPLITS:
+        wp = triton.next_power_of_2(w)
+        br = max(1, COMBINE_ROWS_TILE // wp)
+        _split_rows_kernel[(triton.cdiv(num_tokens * hq, br),)](
+            part, lse, red, num_tokens * hq, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+            red.stride(0), HQ=hq, W=w, WP=wp, BR=br, SP=triton.next_power_of_2(splits), num_warps=COMBINE_ROWS_WARPS,
+        )  # fmt: skip
+        return
     bw = combine_width(splits, w)
     _split_reduce_kernel[(num_tokens, hq, triton.cdiv(w, bw))](
         part, lse, red, splits, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), red.stride(0),

@@ -700,7 +700,7 @@ def paged_attention(
     model_f32 = qx.dtype == torch.float32
     if layout.key_mode == CODEBOOK:
         # y = R x for row vectors (x @ R^T): one launch for all heads of the step (attention/rotate.py)
-        q = rotate_rows(q, layout.key_rotation)
+        q = rotate_rows(q, layout.key_rotation, hadamard=True)  # y = R x; R is a `Rotation`
     npart = 2 if (layout.rotated_values and (layout.sink or layout.window)) else 1
     rotated = layout.rotated_values
     if out is None:

@@ -1330,7 +1330,7 @@ def decode_attention(q, k_new, v_new, pages, layout, meta, scale, ring=None, sin
     model_f32 = qx.dtype == torch.float32
     rot_in_kernel = use_narrow and narrow.rotates_query(layout, d, meta.max_query_len)
     if not rot_in_kernel and layout.key_rotation is not None:
-        q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
+        q = rotate_rows(q, layout.key_rotation, hadamard=True)  # y = R x; R is a `Rotation`
     vrot_in_kernel = use_narrow and narrow.unrotates_values(layout, d, meta.max_query_len)
     rotated = layout.rotated_values and not vrot_in_kernel
     # exact values accumulate beside the sliced page accumulators, unless both are in the same space

@@ -68,6 +68,7 @@ from tqserve.attention.paged_decode import (
     _x_tile,
     slices,
 )
+from tqserve.attention.rotate import hadamard_table
 from tqserve.attention.tuning import NARROW_MAX_SPLITS
 
 ENABLED = True  # benchmarks / tests switch this path off to compare with `paged_decode`'s kernel
@@ -90,10 +91,13 @@ ROWS32 = 1
 # and neither for k3v4_nc (0.4998 / 0.5142 / 0.5046 / 0.5139), tq_k4v4_nc (0.5352 / 0.5724 / 0.5371 /
 # 0.5999; d = 64 and 256 alike) and 4bit_nc at d = 64 (64 x 4K: 0.0428 / 0.0438 / 0.0432 / 0.0441). Verify
 # steps are the same either way. With int8 keys (`KEYS_I8`, forty-first session, H200, one call) 4bit_nc at d =
-# 128 takes both: deferred / both 0.3841 / 0.3694 ms (1 x 128K 0.0666 / 0.0642).
+# 128 takes both: deferred / both 0.3841 / 0.3694 ms (1 x 128K 0.0666 / 0.0642). Forty-second session, H200,
+# one call: lazy with per-lane sums (`DECODE_LANES`) instead of deferred ones, 0.3693 -> 0.3635 ms (1 x 128K
+# 0.0643 -> 0.0637; tq3, whose exact copies never defer, 0.3909 -> 0.3921 with lane sums, so it keeps none); with
+# the whole-row split-K combine, session start -> both, two calls: 0.3736 -> 0.3654, 0.3736 (call 2) -> 0.3658.
 DECODE_COLS = 8
 DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
-    (4, MINMAX, 4, 128, False): (True, True),
+    (4, MINMAX, 4, 128, False): (False, True),
     (3, MINMAX, 3, 128, False): (True, True),
     (4, MINMAX, 4, 256, False): (False, True),
     (4, CODEBOOK, 2, 128, True): (False, True),
@@ -101,10 +105,12 @@ DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
 DEFER_SUMS = 1  # 0: never defer (A/B knob)
 LAZY_DECODE = 0  # 1: every decode step rescales lazily (A/B knob)
 # Lazy-rescale steps keep per-lane partial sums of the softmax denominator and min-max zero terms
-# (`_lane_sums`), reduced across lanes after the loop: 0 never, 1 in verify steps, 2 in lazy decode steps too.
+# (`_lane_sums`), reduced across lanes after the loop: 0 never, 1 in verify steps and the lazy decode steps of
+# the DECODE_LANES layouts, 2 in every lazy step.
 # H200 32 x 5 x 32K verify, ms off / on: 4bit_nc 0.668 / 0.629, tq3 0.736 / 0.684, k3v4_nc 0.742 / 0.672,
 # 3bit_nc 1.116 / 1.061; tq3's lazy decode steps lose 1% with them (0.4324 / 0.4364).
 LANE_SUMS = 1
+DECODE_LANES = {(4, MINMAX, 4, 128, False)}  # layouts whose lazy decode steps keep lane sums at LANE_SUMS = 1
 # A split's whole tiles in a loop without per-pair masks, its edge tiles (the partial last one, the causal
 # ones; with exact copies the window and the sink edge) in loops that mask: 0 never, 1 where it was measured
 # faster (min-max values at d = 128 without exact copies in every step, `TAIL_VERIFY` in verify steps), 2
@@ -403,9 +409,10 @@ def eligible(layout, max_query_len: int, group: int) -> bool:
     return ENABLED and max_query_len <= MAX_QUERY_LEN and cols(max_query_len, group) <= MAX_COLS
 
 
-def lane_sums(max_query_len: int) -> bool:
-    """Whether lazy steps keep per-lane partial sums (`LANE_SUMS`)."""
-    return LANE_SUMS == 2 or (LANE_SUMS == 1 and max_query_len > 1)
+def lane_sums(layout, head_dim: int, max_query_len: int) -> bool:
+    """Whether lazy steps keep per-lane partial sums (`LANE_SUMS`, `DECODE_LANES`)."""
+    shape = (layout.key_bits, layout.val_mode, layout.val_bits, head_dim, bool(layout.sink or layout.window))
+    return LANE_SUMS == 2 or (LANE_SUMS == 1 and (max_query_len > 1 or shape in DECODE_LANES))
 
 
 def tail_mask(layout, head_dim: int, max_query_len: int) -> bool:
@@ -654,7 +661,7 @@ def plan(
     key += (PREFETCH, _tuned_prefetch(layout, head_dim, max_query_len), parks_query(layout, head_dim, max_query_len))
     key += (unrotates_values(layout, head_dim, max_query_len), ROT16)
     key += col_groups(max_query_len, group)
-    key += (lane_sums(max_query_len), bool(paged_decode.KEY_PLANES_T))
+    key += (lane_sums(layout, head_dim, max_query_len), bool(paged_decode.KEY_PLANES_T))
     key += (
         tail_mask(layout, head_dim, max_query_len),
         paged_decode.LOOKUP,
@@ -684,20 +691,6 @@ def _sylvester(n: tl.constexpr, dtype: tl.constexpr = tl.float32):
     x = x ^ (x >> 2)
     x = x ^ (x >> 1)
     return ((x << 31) | 0x3F800000).to(tl.float32, bitcast=True).to(dtype)
-
-
-_HADAMARD: dict[tuple, torch.Tensor] = {}
-
-
-def hadamard_table(n: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Sylvester's [n, n] Hadamard matrix in `dtype` on `device`, built once (the engine's warm-up steps
-    reach it before any graph capture): the 16-bit rotation dots (`ROT16`) load it as their operand."""
-    key = (n, dtype, str(device))
-    if key not in _HADAMARD:
-        from tqserve.kvquant.rotation import fwht
-
-        _HADAMARD[key] = fwht(torch.eye(n)).to(device=device, dtype=dtype).contiguous()
-    return _HADAMARD[key]
 
 
 @triton.jit
@@ -1645,7 +1638,7 @@ def launch(
         VROT=vrot is not None, RPREC="ieee" if dot_f32 else "tf32x3",
         ROT16=htab is not None, ROWS32=bool(ROWS32) and rows32(kp, ks, vp, vs, vz),
         DEFER_SUMS=defer_sums(layout, d, n_cols),
-        LANE_SUMS=lane_sums(meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
+        LANE_SUMS=lane_sums(layout, d, meta.max_query_len), KPT=bool(paged_decode.KEY_PLANES_T),
         TAIL_MASK=tail_mask(layout, d, meta.max_query_len),
         KSCALED=layout.key_mode != DENSE or layout.key_scaled, VSCALED=layout.val_mode != DENSE or layout.val_scaled,
         KSPREAD=paged_decode.spread3_asm(layout, "k", kasm), VSPREAD=paged_decode.spread3_asm(layout, "v", vasm),

@@ -623,7 +623,7 @@ def extend_attention(
     model_f32 = q.dtype == torch.float32
     dot_f32 = _interpreting() or model_f32
     if layout.key_mode == CODEBOOK:
-        q = rotate_rows(q, layout.key_rotation)  # y = R x for row vectors
+        q = rotate_rows(q, layout.key_rotation, hadamard=True)  # y = R x; R is a `Rotation`
     if dot_f32:
         kt = torch.float32
     elif layout.key_mode == CODEBOOK or kp.element_size() == 1:

@@ -16,6 +16,7 @@ from tqserve.attention.exact_refresh import refresh_exact
 from tqserve.attention.finish import warm_split_combine
 from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention
 from tqserve.attention.reference import KVCacheStore
+from tqserve.attention.rotate import hadamard_table
 from tqserve.kvquant.store_triton import StorePlan, store_kv
 
 
@@ -59,7 +60,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warm_up(self) -> None:
         """After the engine's warm-up steps (which set `num_q_heads`): compile what no step shape is
-        sure to reach, the split-K combine of every split-count class of each distinct layout."""
+        sure to reach, the split-K combine of every split-count class of each distinct layout, and build
+        the Hadamard tables of the query rotation's 16-bit dots (device tensors: none may be made while
+        a CUDA graph is captured)."""
         heads = self.num_q_heads
         if heads is None:
             return
@@ -69,3 +72,7 @@ class TritonAttentionBackend(AttentionBackend):
             if key not in seen:
                 seen.add(key)
                 warm_split_combine(layout, heads, fmt.head_dim, fmt.model_dtype, self.device)
+            d = fmt.head_dim
+            pow2 = d >= 16 and d & (d - 1) == 0  # (`rotate_rows_kernel` takes the 16-bit dots there only)
+            if layout.key_rotation is not None and pow2 and fmt.model_dtype in (torch.float16, torch.bfloat16):
+                hadamard_table(d, fmt.model_dtype, self.device)
