@@ -988,7 +988,7 @@ def test_decode_sums_table(monkeypatch):
     assert narrow.lazy_tau(_layout("tq_k4v4_nc"), 128, 32) == narrow.LAZY_TAU
     monkeypatch.setattr(narrow, "DEFER_SUMS", 0)
     assert not narrow.defer_sums(_layout("turboquant_3bit_nc"), 128, 8)
-    # the A/B knobs' modes: 1 is verify steps and the decode steps of `DECODE_LANES` layouts
+    # the A/B knobs' modes: 1 is verify steps and the decode steps of the layouts `DECODE_SUMS` gives lane sums
     assert not narrow.lane_sums(_layout("tq3"), 128, 1) and narrow.lane_sums(_layout("tq3"), 128, 5)
     assert narrow.lane_sums(_layout("turboquant_4bit_nc"), 128, 1)
     assert not narrow.lane_sums(_layout("turboquant_4bit_nc", d=64), 64, 1)

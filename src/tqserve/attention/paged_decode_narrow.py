@@ -81,7 +81,8 @@ ENABLED = True  # benchmarks / tests switch this path off to compare with `paged
 ROWS32 = 1
 # Decode steps (at most DECODE_COLS columns) by layout (key bits, value mode, value bits, head size, exact
 # copies): (DEFER: the softmax denominator and min-max zero terms summed per key row and reduced once after
-# the loop, not across lanes per tile; LAZY: the lazy rescale below). Others do neither. Chosen by
+# the loop, not across lanes per tile; LAZY: the lazy rescale below; LANES: lazy steps keep per-lane sums,
+# `LANE_SUMS`). Others do none of them. Chosen by
 # measurement: H200, CUDA-graph replays, medians of 3 rounds, one call (twenty-ninth session), 32 x 32K ms,
 # neither / deferred / lazy / both:
 #   4bit_nc        0.4278 / 0.4173 / 0.4274 / 0.4213  (1 x 128K 0.0707 / 0.0693 / 0.0694 / 0.0699)
@@ -92,25 +93,24 @@ ROWS32 = 1
 # 0.5999; d = 64 and 256 alike) and 4bit_nc at d = 64 (64 x 4K: 0.0428 / 0.0438 / 0.0432 / 0.0441). Verify
 # steps are the same either way. With int8 keys (`KEYS_I8`, forty-first session, H200, one call) 4bit_nc at d =
 # 128 takes both: deferred / both 0.3841 / 0.3694 ms (1 x 128K 0.0666 / 0.0642). Forty-second session, H200,
-# one call: lazy with per-lane sums (`DECODE_LANES`) instead of deferred ones, 0.3693 -> 0.3635 ms (1 x 128K
+# one call: lazy with per-lane sums (LANES) instead of deferred ones, 0.3693 -> 0.3635 ms (1 x 128K
 # 0.0643 -> 0.0637; tq3, whose exact copies never defer, 0.3909 -> 0.3921 with lane sums, so it keeps none); with
 # the whole-row split-K combine, session start -> both, two calls: 0.3736 -> 0.3654, 0.3736 (call 2) -> 0.3658.
 DECODE_COLS = 8
-DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool]] = {
-    (4, MINMAX, 4, 128, False): (False, True),
-    (3, MINMAX, 3, 128, False): (True, True),
-    (4, MINMAX, 4, 256, False): (False, True),
-    (4, CODEBOOK, 2, 128, True): (False, True),
+DECODE_SUMS: dict[tuple[int, int, int, int, bool], tuple[bool, bool, bool]] = {
+    (4, MINMAX, 4, 128, False): (False, True, True),
+    (3, MINMAX, 3, 128, False): (True, True, False),
+    (4, MINMAX, 4, 256, False): (False, True, False),
+    (4, CODEBOOK, 2, 128, True): (False, True, False),
 }
 DEFER_SUMS = 1  # 0: never defer (A/B knob)
 LAZY_DECODE = 0  # 1: every decode step rescales lazily (A/B knob)
 # Lazy-rescale steps keep per-lane partial sums of the softmax denominator and min-max zero terms
 # (`_lane_sums`), reduced across lanes after the loop: 0 never, 1 in verify steps and the lazy decode steps of
-# the DECODE_LANES layouts, 2 in every lazy step.
+# the layouts DECODE_SUMS gives LANES, 2 in every lazy step.
 # H200 32 x 5 x 32K verify, ms off / on: 4bit_nc 0.668 / 0.629, tq3 0.736 / 0.684, k3v4_nc 0.742 / 0.672,
 # 3bit_nc 1.116 / 1.061; tq3's lazy decode steps lose 1% with them (0.4324 / 0.4364).
 LANE_SUMS = 1
-DECODE_LANES = {(4, MINMAX, 4, 128, False)}  # layouts whose lazy decode steps keep lane sums at LANE_SUMS = 1
 # A split's whole tiles in a loop without per-pair masks, its edge tiles (the partial last one, the causal
 # ones; with exact copies the window and the sink edge) in loops that mask: 0 never, 1 where it was measured
 # faster (min-max values at d = 128 without exact copies in every step, `TAIL_VERIFY` in verify steps), 2
@@ -410,9 +410,8 @@ def eligible(layout, max_query_len: int, group: int) -> bool:
 
 
 def lane_sums(layout, head_dim: int, max_query_len: int) -> bool:
-    """Whether lazy steps keep per-lane partial sums (`LANE_SUMS`, `DECODE_LANES`)."""
-    shape = (layout.key_bits, layout.val_mode, layout.val_bits, head_dim, bool(layout.sink or layout.window))
-    return LANE_SUMS == 2 or (LANE_SUMS == 1 and (max_query_len > 1 or shape in DECODE_LANES))
+    """Whether lazy steps keep per-lane partial sums (`LANE_SUMS`; decode steps by `DECODE_SUMS`)."""
+    return LANE_SUMS == 2 or (LANE_SUMS == 1 and (max_query_len > 1 or _decode_entry(layout, head_dim)[2]))
 
 
 def tail_mask(layout, head_dim: int, max_query_len: int) -> bool:
@@ -424,11 +423,16 @@ def tail_mask(layout, head_dim: int, max_query_len: int) -> bool:
     return TAIL_MASK == 2 or (TAIL_MASK == 1 and measured)
 
 
+def _decode_entry(layout, head_dim: int) -> tuple[bool, bool, bool]:
+    exact = bool(layout.sink or layout.window)
+    return DECODE_SUMS.get((layout.key_bits, layout.val_mode, layout.val_bits, head_dim, exact), (False, False, False))
+
+
 def _decode_sums(layout, head_dim: int, n_cols: int) -> tuple[bool, bool]:
+    """(DEFER, LAZY) of a step with `n_cols` columns: decode steps by `DECODE_SUMS`, others neither."""
     if n_cols > DECODE_COLS:
         return False, False
-    exact = bool(layout.sink or layout.window)
-    defer, lazy = DECODE_SUMS.get((layout.key_bits, layout.val_mode, layout.val_bits, head_dim, exact), (False, False))
+    defer, lazy, _ = _decode_entry(layout, head_dim)
     return defer, lazy or bool(LAZY_DECODE)
 
 

@@ -51,10 +51,10 @@ def hadamard_table(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     return _HADAMARD[key]
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def hadamard16(d: int, dtype: torch.dtype) -> bool:
+    """Whether rows of `dtype` at head size d rotate by 16-bit dots against a Hadamard R (`HADAMARD16`; the
+    callers' `hadamard=True` says R is one): 16-bit rows, a power-of-two d of at least the dots' 16."""
+    return bool(HADAMARD16) and dtype in (torch.float16, torch.bfloat16) and d >= 16 and d & (d - 1) == 0
 
 
 def rotate_rows_reference(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
@@ -139,8 +139,9 @@ def rotate_rows_kernel(x: torch.Tensor, rot: torch.Tensor, hadamard: bool = Fals
     bm, bc, warps = SMALL_BLOCK if m <= SMALL_ROWS else IEEE_BLOCK if f32 else WIDE_BLOCK if d > 128 else BLOCK
     bc = min(bc, dp)
     grid = (triton.cdiv(m, bm), triton.cdiv(d, bc))
-    pow2 = d >= 16 and d & (d - 1) == 0
-    if hadamard and HADAMARD16 and pow2 and x.dtype in (torch.float16, torch.bfloat16) and not _interpreting():
+    from tqserve.attention.paged import _interpreting  # (paged imports this module)
+
+    if hadamard and hadamard16(d, x.dtype) and not _interpreting():
         htab = hadamard_table(d, x.dtype, x.device)
         _hadamard_kernel[grid](
             x, rot, htab, y, m, x.stride(0), d**-0.5, H=heads, D=d, BK=min(d, BLOCK_K), BM=bm, BC=bc, num_warps=warps

@@ -16,7 +16,7 @@ from tqserve.attention.exact_refresh import refresh_exact
 from tqserve.attention.finish import warm_split_combine
 from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention
 from tqserve.attention.reference import KVCacheStore
-from tqserve.attention.rotate import hadamard_table
+from tqserve.attention.rotate import hadamard16, hadamard_table
 from tqserve.kvquant.store_triton import StorePlan, store_kv
 
 
@@ -72,7 +72,5 @@ class TritonAttentionBackend(AttentionBackend):
             if key not in seen:
                 seen.add(key)
                 warm_split_combine(layout, heads, fmt.head_dim, fmt.model_dtype, self.device)
-            d = fmt.head_dim
-            pow2 = d >= 16 and d & (d - 1) == 0  # (`rotate_rows_kernel` takes the 16-bit dots there only)
-            if layout.key_rotation is not None and pow2 and fmt.model_dtype in (torch.float16, torch.bfloat16):
-                hadamard_table(d, fmt.model_dtype, self.device)
+            if layout.key_rotation is not None and hadamard16(fmt.head_dim, fmt.model_dtype):
+                hadamard_table(fmt.head_dim, fmt.model_dtype, self.device)
