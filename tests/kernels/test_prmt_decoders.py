@@ -105,14 +105,14 @@ def test_prmt_pair_slices_decode_two_words():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_i8_keys_decode_eight_codes(head_dim):
-    """The int8 key decoder (`paged_decode_narrow.i8_keys_ptx`): 4 code bytes in $2 (sorted 4-bit indices,
-    nibble i = coordinate i) -> $0 = the int8 grid numbers x of nibbles 0-3, $1 = of nibbles 4-7, a byte each;
-    and the grid itself: the codec's float32 centroids are (x + 1/2) g."""
+    """The int8 key decoder (`paged_decode_narrow.i8_keys_ptx`): 4 code bytes in $2 (sign-magnitude 4-bit
+    codes, nibble i = coordinate i) -> $0 = the int8 grid numbers x of nibbles 0-3, $1 = of nibbles 4-7, a byte
+    each; and the grid itself: the codec's float32 centroids by code are (x + 1/2) g."""
     from tqserve.attention import paged_decode_narrow as narrow
-    from tqserve.kvquant.reference import tq_int8_grid
+    from tqserve.kvquant.reference import tq_code_table, tq_int8_codes
 
-    x, g = tq_int8_grid(4, head_dim)
-    cents = tq_codebook(4, head_dim)[0].double()
+    x, g = tq_int8_codes(4, head_dim)
+    cents = tq_code_table(4, head_dim).double()
     assert torch.allclose(cents, (torch.tensor(x, dtype=torch.float64) + 0.5) * g, rtol=1e-6, atol=0)
     asm = narrow.i8_keys_ptx(x)
     rng = random.Random(2)
@@ -124,3 +124,11 @@ def test_i8_keys_decode_eight_codes(head_dim):
         assert got == want, hex(word)
     with pytest.raises(AssertionError):
         narrow.i8_keys_ptx(list(range(16)))  # not symmetric
+    with pytest.raises(AssertionError):
+        narrow.i8_keys_ptx(tq_int8_grid_sorted(head_dim))  # sorted order, not code order
+
+
+def tq_int8_grid_sorted(head_dim: int) -> list[int]:
+    from tqserve.kvquant.reference import tq_int8_grid
+
+    return tq_int8_grid(4, head_dim)[0]

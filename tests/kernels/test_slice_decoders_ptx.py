@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tqserve.attention import paged_decode
-from tqserve.kvquant.reference import tq_codebook
+from tqserve.kvquant.reference import tq_code_table
 
 M32 = 0xFFFFFFFF
 
@@ -111,7 +111,7 @@ def _halves(x: int) -> tuple[int, int]:
 
 
 def _cb_bits(bits: int, d: int = 128) -> list[int]:
-    c = tq_codebook(bits, d)[0].half()
+    c = tq_code_table(bits, d).half()
     return [int(v) & 0xFFFF for v in c.view(torch.int16).numpy()]
 
 
@@ -120,7 +120,7 @@ def test_two_bit_pair_decoders(pairs):
     """`shfl_pair_slices` (one shuffle per two codes), `shfl_slices` at 2 bits (pairs joined by a permute,
     or by an f16x2 add: 3) and `prmt_pair_slices` (no shuffle): all 256 x 256 (word 0, word 1) byte-word
     pairs, every slice."""
-    host = tq_codebook(2, 128)[0].half()
+    host = tq_code_table(2, 128).half()
     table = _cb_bits(2)
     make = {
         0: lambda h: paged_decode.shfl_slices(h, 2),
@@ -143,7 +143,7 @@ def test_two_bit_pair_decoders(pairs):
 def test_two_bit_decoders_byte_words(pairs):
     """`shfl_pair_slices_b8` and `shfl_slices_b8`: four byte words per register -> two fp16x2
     results, every slice."""
-    host = tq_codebook(2, 128)[0].half()
+    host = tq_code_table(2, 128).half()
     table = _cb_bits(2)
     rng = np.random.default_rng(1)
     blocks = paged_decode.shfl_pair_slices_b8(host) if pairs else paged_decode.shfl_slices_b8(host)
@@ -161,7 +161,7 @@ def test_two_bit_decoders_byte_words(pairs):
 def test_four_bit_decoders(lookup):
     """`shfl_slices` (pairs joined by a permute or an f16x2 add) and `prmt_slices` (symmetric codebook) at 4
     bits: random word pairs, every slice."""
-    host = tq_codebook(4, 128)[0].half()
+    host = tq_code_table(4, 128).half()
     table = _cb_bits(4)
     rng = np.random.default_rng(2)
     if lookup == "prmt":
@@ -197,7 +197,7 @@ def test_three_bit_permute_decoders():
     """`prmt_slices3`: the spread puts code k of a 24-bit group (bits above it random) in nibble k with bit 3
     clear, and slice j of two spread groups with the selector of byte j // 2 is (c[code j], c[code j]) of
     the two as f16x2, every slice, random groups."""
-    host = tq_codebook(3, 128)[0].half()
+    host = tq_code_table(3, 128).half()
     table = _cb_bits(3)
     (even, odd, *_), spread = paged_decode.prmt_slices3(host)
     rng = np.random.default_rng(4)
@@ -252,7 +252,7 @@ def test_three_bit_decoders():
     low 3 bits are the codes and whose higher bits are the next codes (the kernel shifts slice j's
     code down): every code pair, with random high bits."""
     table = _cb_bits(3)
-    shfl = paged_decode.shfl_slices3(tq_codebook(3, 128)[0].half())
+    shfl = paged_decode.shfl_slices3(tq_code_table(3, 128).half())
     mm = paged_decode.minmax_slices3()
     assert len(set(shfl)) == 1 and len(set(mm)) == 1  # one string serves every slice
     rng = np.random.default_rng(3)

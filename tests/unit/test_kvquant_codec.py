@@ -185,6 +185,37 @@ def test_gain_search_encoder(d):
     assert ref.SEARCH_GAINS[0] == 1.0 and len(set(ref.SEARCH_GAINS)) == len(ref.SEARCH_GAINS)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_stored_codes_order(bits):
+    """Pages hold sign-magnitude codes at 4 bits (code 8 + r: the r-th positive centroid, code r: its negative)
+    and the sorted indices at other widths; `code_order` is an involution, `tq_code_table` is the centroids by
+    code, and `tq_encode` packs `to_codes` of the nearest-centroid indices, which decode to those centroids."""
+    d = 128
+    perm = ref.code_order(bits)
+    assert [perm[p] for p in perm] == list(range(1 << bits))
+    cents, _ = ref.tq_codebook(bits, d)
+    table = ref.tq_code_table(bits, d)
+    assert torch.equal(table, cents[perm])
+    if bits in ref.SIGN_MAGNITUDE_BITS:
+        h = 1 << (bits - 1)
+        assert (table[h:] > 0).all() and (table[h:].diff() > 0).all()
+        assert torch.equal(table[:h], -table[h:])
+        x8, _ = ref.tq_int8_codes(bits, d)
+        assert [x8[r] for r in range(h)] == [-1 - v for v in x8[h:]]
+    else:
+        assert perm == list(range(1 << bits))
+    x = _unit(512, d, seed=5)
+    rot = Rotation(d, layer_idx=1)
+    packed, scale = ref.tq_encode(x, rot, bits, "plain")
+    y, _ = ref.tq_rotate(x, rot)
+    idx = ref.tq_quantize_rotated(y, bits)
+    codes = unpack_bits(packed, bits, d)
+    assert torch.equal(codes, ref.to_codes(idx, bits))
+    assert torch.equal(ref.to_codes(codes, bits), idx)
+    want = cents[idx] * scale.float().unsqueeze(-1)
+    assert torch.equal(ref.tq_decode_rotated(packed, scale, bits, d), want)
+
+
 def test_tq_zero_vector_decodes_to_zero():
     rot = Rotation(64, 0)
     for mode in ref.SCALE_MODES:

@@ -101,7 +101,7 @@ def layout_for_format(fmt, device: torch.device | str) -> PageLayout:
         MinMaxCodec,
         TurboQuantCodec,
     )
-    from tqserve.kvquant.reference import tq_codebook
+    from tqserve.kvquant.reference import tq_code_table
 
     d = fmt.head_dim
     lay = PageLayout(head_dim=d, key_mode=DENSE, val_mode=DENSE, sink=fmt.sink, window=fmt.window)
@@ -112,7 +112,7 @@ def layout_for_format(fmt, device: torch.device | str) -> PageLayout:
     for side, codec in (("k", fmt.key_codec), ("v", fmt.value_codec)):
         if isinstance(codec, TurboQuantCodec):
             mode, bits, scaled, names = CODEBOOK, codec.bits, True, (f"{side}_idx", f"{side}_scale", None)
-            cb = tq_codebook(codec.bits, d, device)[0].float().contiguous()
+            cb = tq_code_table(codec.bits, d, device).float().contiguous()  # indexed by stored code
         elif isinstance(codec, MinMaxCodec):
             mode, bits, scaled, names = MINMAX, codec.bits, True, (f"{side}_idx", f"{side}_scale", f"{side}_zero")
             cb = None

@@ -289,14 +289,15 @@ def eligible(layout, max_query_len: int, head_dim: int, group: int = 1) -> bool:
 
 
 def prmt_tables(codebook16) -> tuple[int, int, int, int] | None:
-    """(lo bytes of m0..m3, of m4..m7, hi bytes of m0..m3, of m4..m7) for the magnitudes m = c[8:16]
-    of a symmetric 16-entry fp16 codebook (c[i] == -c[15 - i] bit for bit); None if not symmetric.
-    Takes the host codebook (`tq_codebook` on the CPU, the values the device copy was made from)."""
+    """(lo bytes of m0..m3, of m4..m7, hi bytes of m0..m3, of m4..m7) for the magnitudes m = c[8:16] of a
+    16-entry fp16 table in sign-magnitude code order (`reference.code_order`: c[r] == -c[8 + r] bit for
+    bit); None for any other table. Takes the host table (`tq_code_table` on the CPU, the values the device
+    copy was made from)."""
     import torch
 
     assert codebook16.device.type == "cpu", "build the PRMT tables from the host codebook"
     c = codebook16.to(torch.float16)
-    if c.numel() != 16 or not torch.equal(c, -c.flip(0)):
+    if c.numel() != 16 or not torch.equal(c[:8], -c[8:]):
         return None
     m = [int(v) & 0xFFFF for v in c[8:].view(torch.int16).numpy()]
     word = lambda xs: xs[0] | xs[1] << 8 | xs[2] << 16 | xs[3] << 24  # noqa: E731
@@ -310,15 +311,15 @@ def prmt_tables(codebook16) -> tuple[int, int, int, int] | None:
 
 def prmt_slices(tables: tuple[int, int, int, int]) -> tuple[str, str, str, str]:
     """PTX of slice j = 0..3: two int16 words (4 indices each) in one register -> fp16x2 (c[idx_j of
-    word 0], c[idx_j of word 1]). Sorted index i: sign = bit 3 (i < 8 is negative), magnitude index
-    i & 7 (i >= 8) or 7 - i. The common part is identical in the four blocks (ptxas shares it)."""
+    word 0], c[idx_j of word 1]). Sign-magnitude code: bit 3 clear is negative, bits 0-2 the magnitude's
+    index. The common part is identical in the four blocks (ptxas shares it)."""
     tl0, tl1, th0, th1 = tables
     common = (
         ".reg .b32 x, n, t, m, s, lo, hi, r, T0, T1, T2, T3;\n"
         "mov.b32 x, $1;\n"
         f"mov.b32 T0, {tl0:#x};\nmov.b32 T1, {tl1:#x};\nmov.b32 T2, {th0:#x};\nmov.b32 T3, {th1:#x};\n"
-        "not.b32 t, x;\nand.b32 n, t, 0x88888888;\n"  # n: bit 3 of each negative index
-        "shr.u32 t, n, 3;\nmul.lo.u32 t, t, 7;\nxor.b32 m, x, t;\nand.b32 m, m, 0x77777777;\n"  # magnitudes
+        "not.b32 t, x;\nand.b32 n, t, 0x88888888;\n"  # n: bit 3 of each negative code
+        "and.b32 m, x, 0x77777777;\n"  # magnitudes
     )
     out = []
     for j in range(4):
@@ -1199,9 +1200,9 @@ def _asm_for(layout, side: str, bits: int, pairs: int | None = None, join: bool 
     cache = layout.__dict__.setdefault("_asm_cache", {})
     key = (side, bits, LOOKUP, pairs, join, PRMT3 if bits == 3 else 0)
     if key not in cache:
-        from tqserve.kvquant.reference import tq_codebook
+        from tqserve.kvquant.reference import tq_code_table
 
-        host = tq_codebook(bits, layout.head_dim)[0].half()  # the values the device codebook was made from
+        host = tq_code_table(bits, layout.head_dim).half()  # the values the device table was made from
         if bits == 3:
             cache[key] = prmt_slices3(host)[0] if PRMT3 else shfl_slices3(host)
         elif bits == 5:
@@ -1226,9 +1227,9 @@ def spread3_asm(layout, side: str, slices: tuple[str, str, str, str]) -> str:
         return ""
     cache = layout.__dict__.setdefault("_asm_cache", {})  # (built once per layout, not per step)
     if "spread3" not in cache:
-        from tqserve.kvquant.reference import tq_codebook
+        from tqserve.kvquant.reference import tq_code_table
 
-        cache["spread3"] = prmt_slices3(tq_codebook(3, layout.head_dim)[0].half())[1]
+        cache["spread3"] = prmt_slices3(tq_code_table(3, layout.head_dim).half())[1]
     return cache["spread3"]
 
 
@@ -1239,9 +1240,9 @@ def _asm_prmt_b8(layout) -> tuple[str, str, str, str]:
         return ("", "", "", "")
     cache = layout.__dict__.setdefault("_asm_cache", {})
     if "prmt_b8" not in cache:
-        from tqserve.kvquant.reference import tq_codebook
+        from tqserve.kvquant.reference import tq_code_table
 
-        cache["prmt_b8"] = prmt_slices_b8(tq_codebook(2, layout.head_dim)[0].half())
+        cache["prmt_b8"] = prmt_slices_b8(tq_code_table(2, layout.head_dim).half())
     return cache["prmt_b8"]
 
 
@@ -1250,9 +1251,9 @@ def _asm_b8(layout) -> tuple[str, str, str, str]:
     codebook (cached like `_asm_for`)."""
     cache = layout.__dict__.setdefault("_asm_cache", {})
     if ("vb8", PAIR_TABLES) not in cache:
-        from tqserve.kvquant.reference import tq_codebook
+        from tqserve.kvquant.reference import tq_code_table
 
-        host = tq_codebook(2, layout.head_dim)[0].half()
+        host = tq_code_table(2, layout.head_dim).half()
         cache["vb8", PAIR_TABLES] = shfl_pair_slices_b8(host) if PAIR_TABLES else shfl_slices_b8(host)
     return cache["vb8", PAIR_TABLES]
 

@@ -334,10 +334,10 @@ _RESIDENT: dict[tuple, int] = {}  # launch key -> resident programs per SM of it
 
 
 # 4-bit codebook keys as int8 (KI8): the codec's 4-bit centroids lie on the grid (x + 1/2) g with int8 x
-# (`kvquant.codebooks.grid_codebook`), so a key tile decodes to x by byte permutes, four codes per PRMT and
-# 11 integer instructions per 8 codes (`i8_keys_ptx`; the fp16 shuffle decoders take 20, 8 of them shuffles
-# on the shared-memory pipe), and its scores are integer tensor-core dots (m16n8k32) against the query in 15-bit
-# fixed point as two int8 halves: s = g scale (256 (x . q_hi) + x . q_lo + sum(q) / 2), exact in int32.
+# (`kvquant.codebooks.grid_codebook`), so a key tile's sign-magnitude codes decode to x by byte permutes, four
+# codes per PRMT and 9 integer instructions per 8 codes (`i8_keys_ptx`; the fp16 shuffle decoders take 20, 8 of
+# them shuffles on the shared-memory pipe), and its scores are integer tensor-core dots (m16n8k32) against the
+# query in 15-bit fixed point as two int8 halves: s = g scale (256 (x . q_hi) + x . q_lo + sum(q) / 2), exact in int32.
 # 16-bit models only (float32 models keep the float32 centroids, `centroid_tables`: a 15-bit query is not
 # float32 precision); 0: the fp16 slice decoders, for A/B timing.
 KEYS_I8 = 1
@@ -348,31 +348,33 @@ def keys_i8(layout, head_dim: int, model_f32: bool, max_query_len: int = 1) -> b
     """Whether a step's 4-bit codebook keys take the int8 path (`KEYS_I8`): 16-bit models, head sizes with
     at least 32 bytes of codes per key (the K of an int8 dot); decode steps, and verify steps over min-max
     values (measured: H200, 32 x 5 x 32K, fp16 slices -> int8 keys: 4bit_nc 0.608 -> 0.565 ms, but tq3 0.682
-    -> 0.768 and tq_k4v4_nc 0.724 -> 0.736, whose codebook values hold more registers)."""
+    -> 0.768 and tq_k4v4_nc 0.724 -> 0.736, whose codebook values hold more registers; with sign-magnitude codes,
+    `KEYS_I8 = 2`, tq3 0.671 -> 0.726 still)."""
     four = layout.key_mode == CODEBOOK and layout.key_bits == 4 and head_dim // 2 >= 32
-    step = max_query_len <= 1 or layout.val_mode == MINMAX
+    step = max_query_len <= 1 or layout.val_mode == MINMAX or KEYS_I8 == 2  # 2: every step (A/B knob)
     return bool(KEYS_I8) and four and step and not model_f32
 
 
 def i8_keys_ptx(x: list[int]) -> str:
-    """PTX of the int8 key decoder: $2 holds 4 bytes of a key's code stream (8 sorted 4-bit indices, coordinate
-    8 w + i in nibble i), $0 / $1 get the int8 centroid numbers x of nibbles 0-3 / 4-7. A sorted index i = (s, r)
-    (s = bit 3) has x_i = Tpos[r] when s (positive half) and ~Trev[r] = ~x_(15 - i) otherwise (the grid is
-    symmetric: x_i = ~x_(15 - i)): two PRMT lookups with the masked nibbles as selectors, a PRMT that turns the
-    nibbles' bit 3 into byte masks (sign-replicate selectors over the word and the word << 4), one LOP3.
-    (ptxas keeps two of the four table words as immediates and rematerializes the other two from uniform
-    registers, ~4 IMAD.U32 per 8 codes at 128 registers; looking Trev[r] up as T[7 - r], one table register and
-    two more instructions, was slower: H200, 4bit_nc 32 x 32K 0.3841 -> 0.4045 ms.)"""
-    assert len(x) == 16 and all(x[i] == -1 - x[15 - i] for i in range(16)), "a symmetric int8 grid"
-    pos = paged_decode._byte_words([v & 0xFF for v in x[8:]])
-    rev = paged_decode._byte_words([v & 0xFF for v in x[15:7:-1]])
-    body = ".reg .b32 s, sh, w4, p0, p1, r0, r1, m0, m1, P0, P1, R0, R1;\n"
-    body += f"mov.b32 P0, {pos[0]:#x};\nmov.b32 P1, {pos[1]:#x};\nmov.b32 R0, {rev[0]:#x};\nmov.b32 R1, {rev[1]:#x};\n"
+    """PTX of the int8 key decoder: $2 holds 4 bytes of a key's code stream (8 sign-magnitude 4-bit codes,
+    `reference.code_order`; coordinate 8 w + i in nibble i), $0 / $1 get the int8 centroid numbers x of nibbles
+    0-3 / 4-7. x is indexed by code: a code (s, r) (s = bit 3, r = bits 0-2) has x = T[r] when s (the positive
+    half) and ~T[r] otherwise (the grid is symmetric: x_code(r) = ~x_code(8 + r)). One PRMT lookup of the 8
+    magnitudes per 4 codes, with the masked nibbles as selectors; a PRMT that turns the nibbles' bit 3 into
+    byte masks (sign-replicate selectors over the word and the word << 4); one LOP3 (p ^ ~m): 9 integer
+    instructions per 8 codes and a table of two words, which ptxas keeps as PRMT operands. (Sorted codes took
+    two tables and 11 instructions, and ptxas rematerialized two of the four table words from uniform
+    registers at each use; timed with this decoder's instructions, H200: 4bit_nc 32 x 32K 0.3684 -> 0.3546
+    ms, tq3 0.3928 -> 0.3689, 4bit_nc verify 32 x 5 x 32K 0.5547 -> 0.5295.)"""
+    assert len(x) == 16 and all(x[r] == -1 - x[8 + r] for r in range(8)), "a symmetric int8 grid in code order"
+    t = paged_decode._byte_words([v & 0xFF for v in x[8:]])
+    body = ".reg .b32 s, sh, w4, p0, p1, m0, m1, T0, T1;\n"
+    body += f"mov.b32 T0, {t[0]:#x};\nmov.b32 T1, {t[1]:#x};\n"
     body += "and.b32 s, $2, 0x77777777;\nshr.u32 sh, s, 16;\nshl.b32 w4, $2, 4;\n"
-    body += "prmt.b32 p0, P0, P1, s;\nprmt.b32 r0, R0, R1, s;\nprmt.b32 p1, P0, P1, sh;\nprmt.b32 r1, R0, R1, sh;\n"
+    body += "prmt.b32 p0, T0, T1, s;\nprmt.b32 p1, T0, T1, sh;\n"
     # byte j of m0: bit 3 of nibble j replicated (nibble 2k: msb of byte k of w << 4; 2k + 1: of byte k of w)
     body += "prmt.b32 m0, $2, w4, 0x9d8c;\nprmt.b32 m1, $2, w4, 0xbfae;\n"
-    body += "lop3.b32 $0, p0, r0, m0, 0xb1;\nlop3.b32 $1, p1, r1, m1, 0xb1;\n"  # (p & m) | (~r & ~m)
+    body += "lop3.b32 $0, p0, m0, 0, 0xc3;\nlop3.b32 $1, p1, m1, 0, 0xc3;\n"  # p ^ ~m: ~T[r] where bit 3 is clear
     return "{\n" + body + "}"
 
 
@@ -383,22 +385,22 @@ def i8_key_decoder(layout) -> str:
         return ""
     cache = layout.__dict__.setdefault("_asm_cache", {})
     if "i8_keys" not in cache:
-        from tqserve.kvquant.reference import tq_int8_grid
+        from tqserve.kvquant.reference import tq_int8_codes
 
-        cache["i8_keys"] = i8_keys_ptx(tq_int8_grid(4, layout.head_dim)[0])
+        cache["i8_keys"] = i8_keys_ptx(tq_int8_codes(4, layout.head_dim)[0])
     return cache["i8_keys"]
 
 
 def i8_key_table(layout, device) -> tuple[torch.Tensor, float]:
-    """(the 16 int8 centroid numbers x on `device`, the grid step g) of the layout's 4-bit keys: the gathers of
-    the interpreter's int8 key path and the scores' scale. Cached per device (built in warm-up, before any
+    """(the 16 int8 centroid numbers x by stored code on `device`, the grid step g) of the layout's 4-bit keys: the
+    gathers of the interpreter's int8 key path and the scores' scale. Cached per device (built in warm-up, before any
     CUDA graph is captured)."""
     cache = layout.__dict__.setdefault("_asm_cache", {})
     key = ("i8_table", str(device))
     if key not in cache:
-        from tqserve.kvquant.reference import tq_int8_grid
+        from tqserve.kvquant.reference import tq_int8_codes
 
-        x, g = tq_int8_grid(4, layout.head_dim)
+        x, g = tq_int8_codes(4, layout.head_dim)
         cache[key] = (torch.tensor(x, dtype=torch.int8, device=device), g)
     return cache[key]
 

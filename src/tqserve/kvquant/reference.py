@@ -29,6 +29,10 @@ fp8 with scale: scale = amax / 448 (fp16), q = e4m3(x / scale). fp8 cast: q = e4
 Min-max (vLLM's values): zero = min, scale = (max - min) / (2^b - 1), both fp16,
 idx = floor((x - zero) / scale + 0.5) clamped to [0, 2^b - 1]; decode zero + idx * scale.
 Scales are rounded to fp16 *before* quantizing, so the encoder sees what the decoder will use.
+Stored TurboQuant codes: the encoder's indices are sorted (idx = #{boundaries < y}); 4-bit pages store
+them sign-magnitude (`SIGN_MAGNITUDE_BITS`, `to_codes`): code 8 + r is the r-th positive centroid and
+code r the r-th negative one by magnitude, so a decoder of the symmetric codebook looks the magnitude up
+in one 8-entry table by bits 0-2 and takes the sign from bit 3. Every decoder reads `tq_code_table`.
 """
 
 from __future__ import annotations
@@ -76,6 +80,43 @@ def tq_codebook(bits: int, head_dim: int, device: torch.device | str = "cpu") ->
     cb = grid_codebook(bits)[0] if bits in GRID_BITS else gaussian_codebook(bits)
     c, b = cb.scaled(head_dim)
     return c.to(device), b.to(device)
+
+
+# Code widths whose pages hold sign-magnitude codes (module docstring). Only the 4-bit codebook is on the
+# int8 grid, whose decoder this serves (paged_decode_narrow.i8_keys_ptx: one table of 8 magnitudes, 9
+# integer instructions per 8 codes where sorted codes took 11 and two tables).
+SIGN_MAGNITUDE_BITS = (4,)
+
+
+def code_order(bits: int) -> list[int]:
+    """perm[i] = the stored code of sorted index i. An involution (perm[perm[i]] = i), so it also maps a
+    code to its sorted index: sign-magnitude at SIGN_MAGNITUDE_BITS (i >= h: i; i < h: h - 1 - i, with h =
+    2^(b - 1)), the identity at other widths."""
+    n = 1 << bits
+    if bits not in SIGN_MAGNITUDE_BITS:
+        return list(range(n))
+    h = n // 2
+    return [i if i >= h else h - 1 - i for i in range(n)]
+
+
+def to_codes(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Sorted indices -> stored codes (`code_order`; the same map takes codes back to indices)."""
+    if bits not in SIGN_MAGNITUDE_BITS:
+        return idx
+    h = 1 << (bits - 1)
+    return torch.where(idx >= h, idx, h - 1 - idx)
+
+
+def tq_code_table(bits: int, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The centroids float32 [2^b] indexed by stored code: what every decoder of the pages looks up."""
+    cents = tq_codebook(bits, head_dim, device)[0]
+    return cents[torch.tensor(code_order(bits), device=cents.device)].contiguous()
+
+
+def tq_int8_codes(bits: int, head_dim: int) -> tuple[list[int], float]:
+    """`tq_int8_grid`'s int8 numbers indexed by stored code (the int8 key path's table), and the step."""
+    x, g = tq_int8_grid(bits, head_dim)
+    return [x[i] for i in code_order(bits)], g
 
 
 def tq_int8_grid(bits: int, head_dim: int) -> tuple[list[int], float]:
@@ -161,7 +202,7 @@ def tq_rotate(x: torch.Tensor, rotation: Rotation) -> tuple[torch.Tensor, torch.
 def tq_encode(
     x: torch.Tensor, rotation: Rotation, bits: int, scale_mode: str = "nc", search: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (packed indices uint8 [..., d*bits/8], scale fp16 [...])."""
+    """x [..., d] -> (packed codes uint8 [..., d*bits/8] (`to_codes` of the indices), scale fp16 [...])."""
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     if search and scale_mode == "plain":
@@ -177,12 +218,12 @@ def tq_encode(
             scale = n / sqrt_rn(fixed_sum(c * c)).clamp_min(1e-30)
         else:
             scale = n / fixed_sum(y.double() * c).clamp_min(1e-30)
-    return pack_bits(idx, bits), _fp16(scale)
+    return pack_bits(to_codes(idx, bits), bits), _fp16(scale)
 
 
 def tq_decode_rotated(packed: torch.Tensor, scale: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
-    """scale * c[idx]: the reconstruction in the rotated space (what the kernels accumulate), float32."""
-    cents, _ = tq_codebook(bits, head_dim, packed.device)
+    """scale * c[code]: the reconstruction in the rotated space (what the kernels accumulate), float32."""
+    cents = tq_code_table(bits, head_dim, packed.device)
     return cents[unpack_bits(packed, bits, head_dim)] * scale.float().unsqueeze(-1)
 
 

@@ -24,6 +24,8 @@ the index is exactly the reference's bucketize count; the centroid follows from 
 GPU by a warp shuffle from a per-lane table, `LANE_LUT`). On the GPU the lookup is inline PTX, so it
 stays in the MMA layout of the rotated tile; 2-bit sides count their three boundaries by compares there
 instead (`compare_ptx`, the same exact count).
+4-bit TurboQuant indices are stored as sign-magnitude codes (`reference.to_codes`, `_codes`: one XOR of
+each packed word, or of each index where the words are formed elsewhere); min-max codes are not.
 Indices are packed 8 at a time into one b-byte group (one 1-, 2- or 4-byte store for b = 1, 2,
 4; for odd b, 4 groups make b 32-bit words). Rotations whose Hadamard blocks don't fit the tiles
 (a block of 8, or more than four tiles) use the dense float32 R product instead.
@@ -48,7 +50,7 @@ import triton
 import triton.language as tl
 
 from tqserve.kvquant.base import ExactFormat
-from tqserve.kvquant.reference import FIX_BIAS, FIX_MIN_EXP, SCALE_QS
+from tqserve.kvquant.reference import FIX_BIAS, FIX_MIN_EXP, SCALE_QS, SIGN_MAGNITUDE_BITS
 
 # codec kinds understood by the kernel
 EXACT, TQ, MINMAX, FP8_SCALED, FP8_CAST, TQ_DENSE = 0, 1, 2, 3, 4, 5
@@ -226,6 +228,8 @@ _RND_BITS = tl.constexpr(0x4B400000)
 _RNDQ_BITS = tl.constexpr(0x4B400000 + (SCALE_QS << 23))  # bits of 1.5 * 2^(23 + SCALE_QS)
 # TurboQuant table lookups through inline PTX on the GPU (`_tq_lookup`); the interpreter runs no PTX
 _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+assert SIGN_MAGNITUDE_BITS == (4,), "the store's code words (`_word_codes`) are written for 4-bit codes"
+_SM_BITS = tl.constexpr(4)
 
 
 @triton.jit
@@ -344,6 +348,20 @@ def _st_where(ptr, val, mask):
 
 
 @triton.jit
+def _codes(idx, BITS: tl.constexpr):
+    """Sorted b-bit indices -> sign-magnitude codes (`reference.to_codes`): i >= h stays, i < h -> h - 1 - i."""
+    H: tl.constexpr = 1 << (BITS - 1)
+    return idx ^ ((H - 1) - (H - 1) * (idx >> (BITS - 1)))
+
+
+@triton.jit
+def _word_codes(w, ONES: tl.constexpr):
+    """`_codes` of the 4-bit indices packed in w (int32; ONES: bit 0 of each of its nibbles): nibbles whose
+    bit 3 is clear get bits 0-2 flipped."""
+    return w ^ ((((w ^ -1) >> 3) & ONES) * 7)
+
+
+@triton.jit
 def _pack_tile(
     pay_ptr,
     tokp,
@@ -355,9 +373,10 @@ def _pack_tile(
     BT: tl.constexpr,
     W: tl.constexpr,
     GS: tl.constexpr,
+    CODES: tl.constexpr = False,
 ):
     """Write indices [BT, W] of columns col0.. as the little-endian b-bit stream; columns >= D are
-    not written.
+    not written. CODES: sorted TurboQuant indices, stored as their codes (`_codes`).
 
     GS = 0: 8 indices make one b-byte word, one store (b in 1, 2, 4; pay_ptr an int8 / int16 /
     int32 view of the page). GS = 8, 16, 32: GS indices make b words of GS bits (pay_ptr viewed
@@ -369,6 +388,9 @@ def _pack_tile(
     GS = -2: GS = -1 stored by inline PTX from the layout the words are in (`asm_store`, 16-bit words).
     GS = -8: the columns in `_half_cols`' one-warp order, so each thread holds a whole group of 8
     codes (coordinates 8 h .. 8 h + 7); its b bytes are stored one by one (pay_ptr an int8 view)."""
+    WORDS: tl.constexpr = (GS < 0 and GS != -8) or GS == 0  # these paths remap whole words instead
+    if CODES and BITS == _SM_BITS and not WORDS:
+        idx = _codes(idx, BITS)
     if GS == -8:
         i4 = tl.permute(tl.reshape(idx, (BT, W // 8, 4, 2)), (0, 2, 1, 3))  # [.., c, n, e]
         gv = tl.sum(tl.reshape(i4, (BT, W // 8, 8)) << (tl.arange(0, 8) * BITS)[None, None, :], 2)
@@ -381,6 +403,8 @@ def _pack_tile(
         i5 = tl.permute(tl.reshape(idx, (BT, 2, 2, 4, 2)), (0, 2, 3, 1, 4))  # [.., t, c, w, e]
         i3 = tl.reshape(i5, (BT, W // 4, 4))
         w = tl.sum(i3 << (tl.arange(0, 4) * BITS)[None, None, :], 2)
+        if CODES and BITS == _SM_BITS:
+            w = _word_codes(w, 0x1111)
         g = col0 // 4 + tl.arange(0, W // 4)
         m = tok_ok[:, None] & (g[None, :] < D // 4)
         wp = pay_ptr + tokp[:, None] * (D // 4) + g[None, :]
@@ -393,6 +417,8 @@ def _pack_tile(
         g = col0 // 8 + tl.arange(0, G)
         i3 = tl.reshape(idx, (BT, G, 8))
         w = tl.sum(i3 << (tl.arange(0, 8) * BITS)[None, None, :], 2)
+        if CODES and BITS == _SM_BITS:
+            w = _word_codes(w, 0x11111111)
         m = tok_ok[:, None] & (g[None, :] < D // 8)
         tl.store(pay_ptr + tokp[:, None] * (D // 8) + g[None, :], w.to(pay_ptr.dtype.element_ty), mask=m)
     elif GS == 32:
@@ -554,7 +580,7 @@ def _tq_tile_out(
     else:
         idx, cq = _tq_lookup(y, z, fc, tab_ptr, NCELL, HALFC, 1 << BITS, LUT, CMP)
         part = _tq_scale_terms(y, cq, SCALE_MODE)
-    _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
+    _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS, True)
     return part
 
 
@@ -608,7 +634,7 @@ def _tq_pack_gain(y, g, gc, col0, pay_ptr, tokp, tok_ok, tab_ptr,
     """Pack the indices of g * y (g, gc = g * CS: the rows' chosen gain, [BT, 1]); return the
     elements' int32 terms of the scale's sum over those indices (`_tq_scale_terms`)."""
     idx, cq = _tq_lookup(y * g, y, gc, tab_ptr, NCELL, HALFC, 1 << BITS, "", "")
-    _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS)
+    _pack_tile(pay_ptr, tokp, tok_ok, idx, col0, BITS, D, BT, W, GS, True)
     return _tq_scale_terms(y, cq, SCALE_MODE)
 
 
@@ -1128,7 +1154,7 @@ def _store_side(
                 else:
                     idx, cq = _tq_lookup(y, y, CS, tab_ptr, NCELL, HALFC, 1 << BITS, LUT, CMP)
                 acc += tl.sum(tl.where((j < D)[None, :], _tq_scale_terms(y, cq, SCALE_MODE), 0), 1)
-                _pack_tile(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C, GS)
+                _pack_tile(pay_ptr, tokp, tok_ok, idx, c0, BITS, D, BT, C, GS, True)
             _tq_scale_store(n, acc.to(tl.float32) * _RQS, sc_ptr, tokp, tok_ok, SCALE_MODE)
 
 
