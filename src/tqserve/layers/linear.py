@@ -21,15 +21,30 @@ def _onednn_linear_op():
         return None
 
 
+def _onednn_dtypes(op) -> frozenset:
+    """The input dtypes the op runs on this CPU: oneDNN has no bfloat16 inner product on CPUs without
+    AVX-512 (it raises "could not create a primitive descriptor"), where bfloat16 takes F.linear."""
+    ok = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.ones(2, 8, dtype=dtype), torch.ones(4, 8, dtype=dtype)
+        try:
+            if op is not None and torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w)):
+                ok.add(dtype)
+        except RuntimeError:
+            pass
+    return frozenset(ok)
+
+
 _ONEDNN_LINEAR = _onednn_linear_op()
+_ONEDNN_DTYPES = _onednn_dtypes(_ONEDNN_LINEAR)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through oneDNN for CPU float32 / bfloat16 inputs when available."""
+    """F.linear, through oneDNN for CPU float32 / bfloat16 inputs where this CPU runs it."""
     if (
         _ONEDNN_LINEAR is not None
         and not x.is_cuda
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype in _ONEDNN_DTYPES
         and x.dtype == weight.dtype
         and weight.is_contiguous()
         and x.numel() > 0
