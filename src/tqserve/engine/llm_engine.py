@@ -109,6 +109,9 @@ class LLMEngine:
             ),
         )
         self.kv = KVCacheManager(layout)
+        # The longest request the pages can hold: one that outgrew them alone would be preempted and
+        # recomputed forever, so prompts past it are refused and max_tokens is clamped to it.
+        self.max_request_len = min(max_model_len, (r.num_blocks - 1) * args.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.enable_chunked_prefill),
             self.kv,
@@ -137,7 +140,7 @@ class LLMEngine:
     ) -> None:
         ids = list(prompt_token_ids)
         self._validate(request_id, ids, params)
-        max_len = self.model_config.max_model_len
+        max_len = self.max_request_len
         max_tokens = min(params.max_tokens or max_len, max_len - len(ids))
         samples = []
         for i in range(params.n):
@@ -163,6 +166,12 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len "
                 f"({self.model_config.max_model_len})"
+            )
+        if len(ids) >= self.max_request_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, which leaves no room to generate within the KV cache's "
+                f"{self.max_request_len} tokens ({self.runner.num_blocks - 1} pages of {self.args.block_size}): "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization or shorten the prompt"
             )
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.args.max_num_seqs})")

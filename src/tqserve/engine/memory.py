@@ -44,9 +44,11 @@ def plan_num_blocks(
     kv_cache_memory_bytes: int | None,
     override: int | None,
     reserved_bytes: int,
+    max_model_len: int = 0,
 ) -> int:
-    """Pages that fit: an explicit override, else the CPU budget, else the GPU's share left after
-    weights, the profiled activation peak and the fixed buffers (`reserved_bytes`)."""
+    """Pages that fit: an explicit override, else the CPU budget (at least one max_model_len request's
+    pages, so the defaults serve a whole context), else the GPU's share left after weights, the profiled
+    activation peak and the fixed buffers (`reserved_bytes`)."""
     if override is not None:
         return override
     per_block = max(1, page_bytes_per_token(formats) * block_size)
@@ -59,7 +61,7 @@ def plan_num_blocks(
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * gpu_memory_utilization) - (total - free) - reserved_bytes
     else:
-        budget = _DEFAULT_CPU_KV_BYTES
+        budget = max(_DEFAULT_CPU_KV_BYTES, per_block * (-(-max_model_len // block_size) + 1))
     num = budget // per_block
     if num < 2:
         raise ValueError(

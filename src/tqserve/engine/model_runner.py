@@ -94,6 +94,7 @@ class ModelRunner:
             config.kv_cache_memory_bytes,
             config.num_gpu_blocks_override,
             reserved + self._exact_bytes_estimate(),
+            max_model_len,
         )
         self.store = KVCacheStore(
             self.formats,
