@@ -109,7 +109,7 @@ def test_i8_keys_decode_eight_codes(head_dim):
     codes, nibble i = coordinate i) -> $0 = the int8 grid numbers x of nibbles 0-3, $1 = of nibbles 4-7, a byte
     each; and the grid itself: the codec's float32 centroids by code are (x + 1/2) g."""
     from tqserve.attention import paged_decode_narrow as narrow
-    from tqserve.kvquant.reference import tq_code_table, tq_int8_codes
+    from tqserve.kvquant.reference import tq_code_table, tq_int8_codes, tq_int8_grid
 
     x, g = tq_int8_codes(4, head_dim)
     cents = tq_code_table(4, head_dim).double()
@@ -125,10 +125,4 @@ def test_i8_keys_decode_eight_codes(head_dim):
     with pytest.raises(AssertionError):
         narrow.i8_keys_ptx(list(range(16)))  # not symmetric
     with pytest.raises(AssertionError):
-        narrow.i8_keys_ptx(tq_int8_grid_sorted(head_dim))  # sorted order, not code order
-
-
-def tq_int8_grid_sorted(head_dim: int) -> list[int]:
-    from tqserve.kvquant.reference import tq_int8_grid
-
-    return tq_int8_grid(4, head_dim)[0]
+        narrow.i8_keys_ptx(tq_int8_grid(4, head_dim)[0])  # sorted order, not code order

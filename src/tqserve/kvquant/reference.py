@@ -38,6 +38,7 @@ in one 8-entry table by bits 0-2 and takes the sign from bit 3. Every decoder re
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
@@ -107,10 +108,15 @@ def to_codes(idx: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(idx >= h, idx, h - 1 - idx)
 
 
+@lru_cache(maxsize=64)
+def _code_table(bits: int, head_dim: int) -> torch.Tensor:
+    return tq_codebook(bits, head_dim)[0][code_order(bits)].contiguous()
+
+
 def tq_code_table(bits: int, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The centroids float32 [2^b] indexed by stored code: what every decoder of the pages looks up."""
-    cents = tq_codebook(bits, head_dim, device)[0]
-    return cents[torch.tensor(code_order(bits), device=cents.device)].contiguous()
+    """The centroids float32 [2^b] indexed by stored code: what every decoder of the pages looks up (a copy of
+    a table built once per width and head size: the CPU reference decodes pages with it every step)."""
+    return _code_table(bits, head_dim).to(device, copy=True)
 
 
 def tq_int8_codes(bits: int, head_dim: int) -> tuple[list[int], float]:
