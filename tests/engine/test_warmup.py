@@ -59,10 +59,11 @@ def test_warmup_compiles_every_kernel_a_long_batch_needs(tmp_path, monkeypatch, 
     for mod in (paged, paged_decode, paged_extend):
         monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
     hq, hkv = heads
-    # A narrow residual stream: the attention shapes are what the kernels see; at hidden_size = hq * d the bf16
-    # projections of the long batch cost ~4 min a case on a CPU without AVX-512 (~25 s now).
+    # A narrow residual stream (a multiple of 16, as real models have: Triton specializes on it); the attention
+    # shapes are what the kernels see. At hidden_size = hq * d the bf16 projections of the long batch cost ~4 min
+    # a case on a CPU without AVX-512, ~45 s now.
     model_factory.write_tiny_checkpoint(
-        str(tmp_path), "llama", hidden_size=8 * hq, head_dim=d, num_attention_heads=hq, num_key_value_heads=hkv,
+        str(tmp_path), "llama", hidden_size=16 * hq, head_dim=d, num_attention_heads=hq, num_key_value_heads=hkv,
         max_position_embeddings=4096, intermediate_size=128,
     )  # fmt: skip
     with LaunchRecorder() as rec:
