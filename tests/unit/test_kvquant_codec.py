@@ -14,7 +14,7 @@ from tqserve.kvquant.codebooks import (
     gaussian_codebook,
     sphere_codebook,
 )
-from tqserve.kvquant.packing import pack_bits, packed_bytes, unpack_bits
+from tqserve.kvquant.packing import _pack_stream, _unpack_stream, pack_bits, packed_bytes, unpack_bits
 from tqserve.kvquant.rotation import Rotation, fwht, hadamard_blocks
 
 # TURBOQUANT.md: Lloyd-Max for N(0,1), positive half, and D_mse per unit vector.
@@ -104,6 +104,18 @@ def test_packing_round_trip_and_size(bits):
         packed = pack_bits(idx, bits)
         assert packed.dtype == torch.uint8 and packed.shape[-1] == packed_bytes(d, bits) == d * bits // 8
         assert torch.equal(unpack_bits(packed, bits, d), idx)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_packing_by_groups_equals_the_bit_stream(bits):
+    # rows of a multiple of 8 indices pack 8 at a time as one integer; the bit-by-bit stream defines the layout
+    for d in (8, 64, 80, 256):
+        idx = torch.randint(0, 1 << bits, (6, 2, d))
+        packed = _pack_stream(idx, bits)
+        assert torch.equal(pack_bits(idx, bits), packed)
+        assert torch.equal(unpack_bits(packed, bits, d), _unpack_stream(packed, bits, d))
+    idx = torch.randint(0, 1 << bits, (4, 13))  # 13 indices: the stream path, padded to whole bytes
+    assert torch.equal(unpack_bits(pack_bits(idx, bits), bits, 13), idx)
 
 
 def test_packing_bit_order_is_little_endian_stream():

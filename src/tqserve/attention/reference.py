@@ -220,20 +220,24 @@ MIN_KEYS = 512
 
 def _padded_heads(x: torch.Tensor, rows: int, group: int) -> torch.Tensor:
     """[L, H, d] -> [H * group, rows, d] (GQA heads repeated, rows past L zero)."""
-    x = x.repeat_interleave(group, dim=1) if group > 1 else x
-    out = x.new_zeros(x.shape[1], rows, x.shape[2])
-    out[:, : x.shape[0]] = x.transpose(0, 1)
-    return out
+    n, h, d = x.shape
+    out = x.new_empty(h, group, rows, d)
+    out[:, :, n:] = 0
+    out[:, :, :n] = x.transpose(0, 1).unsqueeze(1)  # one copy: the GQA repeat is a broadcast
+    return out.view(h * group, rows, d)
 
 
 def _shape(lq: int, lk: int) -> tuple[int, int]:
     return max(MIN_ROWS, lq), max(MIN_KEYS, -(-lk // KEY_GRANULE) * KEY_GRANULE)
 
 
-def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float, group: int) -> torch.Tensor:
-    # q [Lq, Hq, d], keys [L, Hkv, d] -> [Hq, M, Lpad] (padded rows / keys hold junk or zeros)
+def _scores(
+    q: torch.Tensor, keys: torch.Tensor, scale: float, group: int, qp: torch.Tensor | None = None
+) -> torch.Tensor:
+    # q [Lq, Hq, d], keys [L, Hkv, d] -> [Hq, M, Lpad] (padded rows / keys hold junk or zeros); qp: q padded
     m, lpad = _shape(q.shape[0], keys.shape[0])
-    return torch.bmm(_padded_heads(q, m, 1), _padded_heads(keys, lpad, group).transpose(1, 2)) * scale
+    qp = _padded_heads(q, m, 1) if qp is None else qp
+    return torch.bmm(qp, _padded_heads(keys, lpad, group).transpose(1, 2)) * scale
 
 
 def _mask(q_pos: torch.Tensor, key_pos: torch.Tensor, m: int, lpad: int) -> torch.Tensor:
@@ -263,7 +267,8 @@ def _attend(q, k, v, q_pos, key_pos, scale, group):
 
 def _attend_mixed(q, kq, vq, ke, ve, exact, q_pos, key_pos, scale, group):
     """Scores and values chosen per (query, key) between the decoded page and the exact copy."""
-    s_exact, s_quant = _scores(q, ke, scale, group), _scores(q, kq, scale, group)
+    qp = _padded_heads(q, _shape(q.shape[0], ke.shape[0])[0], 1)
+    s_exact, s_quant = _scores(q, ke, scale, group, qp), _scores(q, kq, scale, group, qp)
     m, lpad = s_exact.shape[1], s_exact.shape[2]
     ex = torch.zeros((m, lpad), dtype=torch.bool, device=q.device)
     ex[: exact.shape[0], : exact.shape[1]] = exact

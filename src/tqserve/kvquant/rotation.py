@@ -44,12 +44,19 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"fwht needs a power-of-two size, got {n}")
     lead = x.shape[:-1]
     y = x.reshape(-1, n)
+    if n == 1:
+        return y.clone().reshape(*lead, n)
+    # Two buffers taken in turn (x itself is never written): each stage writes its sums and differences in
+    # place of a stack of two temporaries, the same operations in the same order, so the same bits.
+    out, spare = torch.empty_like(y), torch.empty_like(y)
     h = 1
     while h < n:
         # Pair element i with i + h inside every 2h-long group: (a, b) -> (a + b, a - b).
-        y = y.view(-1, n // (2 * h), 2, h)
-        a, b = y[:, :, 0], y[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2)
+        src = y.view(-1, n // (2 * h), 2, h)
+        dst = out.view(-1, n // (2 * h), 2, h)
+        torch.add(src[:, :, 0], src[:, :, 1], out=dst[:, :, 0])
+        torch.sub(src[:, :, 0], src[:, :, 1], out=dst[:, :, 1])
+        y, out, spare = out, spare, out
         h *= 2
     return y.reshape(*lead, n)
 
