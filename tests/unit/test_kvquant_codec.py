@@ -114,6 +114,8 @@ def test_packing_by_groups_equals_the_bit_stream(bits):
         packed = _pack_stream(idx, bits)
         assert torch.equal(pack_bits(idx, bits), packed)
         assert torch.equal(unpack_bits(packed, bits, d), _unpack_stream(packed, bits, d))
+    cols = torch.randint(0, 1 << bits, (64, 5)).t()  # rows that are not contiguous
+    assert torch.equal(unpack_bits(pack_bits(cols, bits).t().contiguous().t(), bits, 64), cols)
     idx = torch.randint(0, 1 << bits, (4, 13))  # 13 indices: the stream path, padded to whole bytes
     assert torch.equal(unpack_bits(pack_bits(idx, bits), bits, 13), idx)
 

@@ -73,12 +73,12 @@ def _pack_groups(idx: torch.Tensor, bits: int) -> torch.Tensor:
     lead, n = idx.shape[:-1], idx.shape[-1]
     index_shift, byte_shift = _group_shifts(bits, idx.device)
     # the shifted indices occupy disjoint bits, so their sum is their OR
-    word = (idx.to(torch.int64).view(*lead, n // 8, 8) << index_shift).sum(-1)
+    word = (idx.to(torch.int64).reshape(*lead, n // 8, 8) << index_shift).sum(-1)
     return ((word.unsqueeze(-1) >> byte_shift) & 0xFF).to(torch.uint8).view(*lead, n * bits // 8)
 
 
 def _unpack_groups(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     lead = packed.shape[:-1]
     index_shift, byte_shift = _group_shifts(bits, packed.device)
-    word = (packed.to(torch.int64).view(*lead, n // 8, bits) << byte_shift).sum(-1)
+    word = (packed.to(torch.int64).reshape(*lead, n // 8, bits) << byte_shift).sum(-1)
     return ((word.unsqueeze(-1) >> index_shift) & ((1 << bits) - 1)).view(*lead, n)
