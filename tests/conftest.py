@@ -10,6 +10,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import interpreter_speedup  # noqa: E402
+
+interpreter_speedup.install()
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
