@@ -20,11 +20,15 @@ def install() -> bool:
         from triton.runtime import interpreter
     except ImportError:
         return False
-    patch_attr = getattr(interpreter, "_patch_attr", None)
-    if getattr(interpreter, "_patch_builtin", None) is None or patch_attr is None:
-        return False
-    if getattr(interpreter._patch_builtin, "cached_walk", False):
+    original, patch_attr = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_patch_attr", None)
+    if getattr(original, "cached_walk", False):
         return True
+    # only the internals this was written against (Triton 3.9); other versions keep their own walk
+    if not (
+        _params(original) == ["pkg", "builder", "scope"]
+        and _params(patch_attr) == ["obj", "name", "member", "builder", "scope"]
+    ):
+        return False
     is_builtin = tl.core.is_builtin
     names: dict[object, list[str]] = {}
 
@@ -39,3 +43,10 @@ def install() -> bool:
     patch_builtin.cached_walk = True
     interpreter._patch_builtin = patch_builtin
     return True
+
+
+def _params(fn) -> list[str] | None:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
