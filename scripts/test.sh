@@ -7,8 +7,8 @@ export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
 # Two worker processes of one thread each (pytest-xdist): on CI's 2 cores the suite takes ~650 s
 # instead of ~940 s in one process (workers with torch's default threads oversubscribe the cores
 # and ran slower than one process). TQSERVE_TEST_WORKERS=0 runs it in this process.
-# On a 2-core machine without AVX-512 (bf16 linear on F.linear) it took 1,825 s, 1,635 s with the warm-up
-# test's models at hidden 8 x heads (forty-fourth session; 877 passed; 16 x heads since: ~40 s more).
+# On a 2-core machine without AVX-512 (bf16 linear on F.linear): 1,642 s (877 passed) at the forty-fifth
+# session's start, 1,332 s (885 passed) after the faster reference codec and the cached interpreter walk.
 workers=${TQSERVE_TEST_WORKERS:-2}
 par=()
 if [ "$workers" != 0 ] && python -c "import xdist" 2>/dev/null; then
