@@ -10,9 +10,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import interpreter_speedup  # noqa: E402
+# Without CUDA every Triton kernel runs in the interpreter (tests/kernels/conftest.py says why it is set
+# before any kernel is imported); the speed-up imports Triton, so the switch comes first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_speedup
 
-interpreter_speedup.install()
+    interpreter_speedup.install()
 
 
 def pytest_collection_modifyitems(config, items):
