@@ -10,8 +10,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Without CUDA every Triton kernel runs in the interpreter (tests/kernels/conftest.py says why it is set
-# before any kernel is imported); the speed-up imports Triton, so the switch comes first.
+# Without CUDA every Triton kernel runs in the interpreter. The switch is set here, before any test module
+# imports a kernel (`triton.jit` reads TRITON_INTERPRET when it decorates a function) and before the
+# speed-up imports Triton (which, imported first, left interpreted kernels failing).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":

@@ -1,4 +1,4 @@
-"""Where the Triton kernel tests run: the device, whether the interpreter is on (tests/kernels/conftest.py
+"""Where the Triton kernel tests run: the device, whether the interpreter is on (tests/conftest.py
 turns it on without CUDA), and the module mark that skips them when neither is there."""
 
 from __future__ import annotations

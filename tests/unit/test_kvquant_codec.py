@@ -75,7 +75,11 @@ def test_fwht_is_sylvester_hadamard():
     bits = torch.bitwise_and(i[:, None], i[None, :])
     pop = sum((bits >> k) & 1 for k in range(4))
     h = (1 - 2 * (pop % 2)).float()
-    assert torch.equal(fwht(torch.eye(n)), h)
+    x = torch.eye(n)
+    assert torch.equal(fwht(x), h)
+    assert torch.equal(x, torch.eye(n))  # the stages alternate between their own buffers, never the input
+    z = torch.randint(-2048, 2048, (5, 3, n))
+    assert torch.equal(fwht(z), z @ h.long())  # integers: exact
 
 
 @pytest.mark.parametrize("d,blocks", [(64, [64]), (80, [64, 16]), (96, [64, 32]), (128, [128])])

@@ -48,16 +48,16 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         return y.clone().reshape(*lead, n)
     # Two buffers taken in turn (x itself is never written): each stage writes its sums and differences in
     # place of a stack of two temporaries, the same operations in the same order, so the same bits.
-    out, spare = torch.empty_like(y), torch.empty_like(y)
-    h = 1
+    bufs = (torch.empty_like(y), torch.empty_like(y))
+    h, stage = 1, 0
     while h < n:
         # Pair element i with i + h inside every 2h-long group: (a, b) -> (a + b, a - b).
         src = y.view(-1, n // (2 * h), 2, h)
-        dst = out.view(-1, n // (2 * h), 2, h)
+        dst = bufs[stage % 2].view(-1, n // (2 * h), 2, h)
         torch.add(src[:, :, 0], src[:, :, 1], out=dst[:, :, 0])
         torch.sub(src[:, :, 0], src[:, :, 1], out=dst[:, :, 1])
-        y, out, spare = out, spare, out
-        h *= 2
+        y = bufs[stage % 2]
+        h, stage = 2 * h, stage + 1
     return y.reshape(*lead, n)
 
 
