@@ -6,7 +6,12 @@ builtin it finds. The narrow decode kernel calls dozens of helpers per key tile,
 TRITON_INTERPRET=1 about a third of a kernel test went to `getmembers` (profile of
 test_narrow_decode_matches_reference, forty-fifth session). Here the names of each module's builtins are
 listed once, on the first (unpatched) walk; every later call wraps exactly the members that are builtins at
-that moment, as the original does, so which functions get wrapped, and how, does not change."""
+that moment, as the original does, so which functions get wrapped, and how, does not change.
+
+It also patches the language on every such call, although the kernel's launch patched it already and keeps
+it patched until the grid is done: each nested call rebuilt the same wrappers over every builtin (a fifth
+of `test_narrow_tail_loops`, after the cached walk). A nested call whose module sees only language modules
+the launch patched now reuses the launch's patches; any other call patches as before."""
 
 from __future__ import annotations
 
@@ -42,7 +47,54 @@ def install() -> bool:
 
     patch_builtin.cached_walk = True
     interpreter._patch_builtin = patch_builtin
+    _reuse_launch_patches(interpreter, tl)
     return True
+
+
+class _KeptPatches:
+    """The scope a nested call gets when the launch's patches cover it: nothing of its own to restore."""
+
+    def restore(self) -> None:
+        pass
+
+
+def _reuse_launch_patches(interpreter, tl) -> None:
+    """Wrap `_patch_lang(fn)`: the launch (`GridExecutor`, no patches active) patches as before and its
+    scope's restore ends the grid; a nested call (patches active) whose globals hold only language modules
+    patched already gets `_KeptPatches`. Triton's nested calls replaced each wrapper with an equal one and
+    never restored theirs (the launch's scope restores the originals), so the patched state is the same."""
+    original = interpreter._patch_lang
+    if _params(original) != ["fn"]:
+        return
+    patched: set[int] = set()  # ids of the language modules patched for the running grid
+    langs_of: dict[tuple[int, int], frozenset[int]] = {}  # (globals, their size) -> language modules seen
+    kept = _KeptPatches()
+
+    def langs(fn) -> frozenset[int]:
+        g = fn.__globals__
+        key = (id(g), len(g))
+        if key not in langs_of:
+            langs_of[key] = frozenset(id(v) for v in g.values() if v is tl or v is tl.core)
+        return langs_of[key]
+
+    def patch_lang(fn):
+        seen = langs(fn)
+        if patched and seen <= patched:
+            return kept
+        launch = not patched
+        scope = original(fn)
+        patched.update(seen)
+        if launch:
+            restore = scope.restore
+
+            def restore_and_end() -> None:
+                patched.clear()
+                restore()
+
+            scope.restore = restore_and_end
+        return scope
+
+    interpreter._patch_lang = patch_lang
 
 
 def _params(fn) -> list[str] | None:

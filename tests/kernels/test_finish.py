@@ -117,20 +117,28 @@ def test_combine_splits_whole_rows(splits, w):
 
 
 @pytest.mark.parametrize("d", [80, 128])
-def test_backend_warm_up_builds_tables(d):
-    """The Triton backend's warm-up compiles the combines and builds the query rotation's Hadamard table at
+def test_backend_warm_up_builds_tables(d, monkeypatch):
+    """The Triton backend's warm-up compiles the combines and builds the query rotation's Hadamard tables at
     power-of-two head sizes (a table made during graph capture would be a capture error), and passes by
-    the others (d = 80: two Hadamard blocks, no table)."""
+    the others (d = 80: two Hadamard blocks, no table). Built for the backend's device as given ("cuda"),
+    they serve the launches, which name the device with its index (on the H200 the key held "cuda" and
+    every launch missed it: forty-sixth session)."""
     from tqserve.attention import rotate
     from tqserve.attention.reference import KVCacheStore
     from tqserve.attention.triton_backend import TritonAttentionBackend
     from tqserve.kvquant.presets import make_layer_format
 
-    dev = _device()
+    dev = _device()  # "cuda" without an index, as the engine may be given it
+    monkeypatch.setattr(rotate, "_HADAMARD", {})
     fmt = make_layer_format("turboquant_4bit_nc", 0, 1, d, torch.bfloat16)
     backend = TritonAttentionBackend(KVCacheStore([fmt], 2, 16, 1, 1, dev))
     backend.num_q_heads = 2
     backend.warm_up()
-    assert ((d, torch.bfloat16, str(dev)) in rotate._HADAMARD) == (d == 128)
-    if d == 128:
-        assert torch.equal(rotate._HADAMARD[(d, torch.bfloat16, str(dev))].float().abs(), torch.ones(d, d, device=dev))
+    built = dict(rotate._HADAMARD)
+    # d = 128: the rotation's table and the narrow kernel's per-slice one (4-bit keys: 4 slices of 32)
+    assert sorted(n for n, *_ in built) == ([32, 128] if d == 128 else [])
+    for n in (32, 128) if d == 128 else ():
+        # the launches ask by their tensors' device (cuda:0): the warm-up's table, nothing built anew
+        table = rotate.hadamard_table(n, torch.bfloat16, torch.empty(0, device=dev).device)
+        assert rotate._HADAMARD == built and any(t is table for t in built.values())
+        assert torch.equal(table.float().abs(), torch.ones(n, n, device=dev))

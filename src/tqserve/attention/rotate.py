@@ -42,13 +42,21 @@ _HADAMARD: dict[tuple, torch.Tensor] = {}
 
 def hadamard_table(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Sylvester's [n, n] Hadamard matrix in `dtype` on `device`, built once (the engine's warm-up steps
-    reach it before any graph capture): the 16-bit rotation dots load it as their operand."""
-    key = (n, dtype, str(device))
+    reach it before any graph capture): the 16-bit rotation dots load it as their operand. The key names the
+    device with its index, as tensors report it, so a table built for `cuda` serves launches on `cuda:0`."""
+    key = (n, dtype, _device_name(device))
     if key not in _HADAMARD:
         from tqserve.kvquant.rotation import fwht
 
         _HADAMARD[key] = fwht(torch.eye(n)).to(device=device, dtype=dtype).contiguous()
     return _HADAMARD[key]
+
+
+def _device_name(device) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
 
 
 def hadamard16(d: int, dtype: torch.dtype) -> bool:

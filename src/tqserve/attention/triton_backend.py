@@ -15,6 +15,7 @@ from tqserve.attention.backend import AttentionBackend, AttentionMetadata
 from tqserve.attention.exact_refresh import refresh_exact
 from tqserve.attention.finish import warm_split_combine
 from tqserve.attention.paged import PageLayout, layout_for_format, paged_attention
+from tqserve.attention.paged_decode import slices
 from tqserve.attention.reference import KVCacheStore
 from tqserve.attention.rotate import hadamard16, hadamard_table
 from tqserve.kvquant.store_triton import StorePlan, store_kv
@@ -74,3 +75,7 @@ class TritonAttentionBackend(AttentionBackend):
                 warm_split_combine(layout, heads, fmt.head_dim, fmt.model_dtype, self.device)
             if layout.key_rotation is not None and hadamard16(fmt.head_dim, fmt.model_dtype):
                 hadamard_table(fmt.head_dim, fmt.model_dtype, self.device)
+                # the narrow decode kernel's in-kernel rotation dots one slice at a time (`ROT16`)
+                per_slice = fmt.head_dim // slices(layout.key_bits)
+                if per_slice >= 16:
+                    hadamard_table(per_slice, fmt.model_dtype, self.device)
