@@ -11,7 +11,10 @@ that moment, as the original does, so which functions get wrapped, and how, does
 It also patches the language on every such call, although the kernel's launch patched it already and keeps
 it patched until the grid is done: each nested call rebuilt the same wrappers over every builtin (a fifth
 of `test_narrow_tail_loops`, after the cached walk). A nested call whose module sees only language modules
-the launch patched now reuses the launch's patches; any other call patches as before."""
+the launch patched now reuses the launch's patches; any other call patches as before.
+
+And `_get_np_dtype`, which every interpreted operation calls, builds its table of 18 numpy dtypes anew on
+each call; here each scalar type's answer is kept after its first call."""
 
 from __future__ import annotations
 
@@ -48,7 +51,26 @@ def install() -> bool:
     patch_builtin.cached_walk = True
     interpreter._patch_builtin = patch_builtin
     _reuse_launch_patches(interpreter, tl)
+    _cache_np_dtypes(interpreter, tl)
     return True
+
+
+def _cache_np_dtypes(interpreter, tl) -> None:
+    """`_get_np_dtype(t)` depends on t's scalar type only (a block's element type; pointers are uint64)."""
+    original = interpreter._get_np_dtype
+    if _params(original) != ["tt_dtype"]:
+        return
+    found: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return original(scalar)
+        if scalar not in found:
+            found[scalar] = original(scalar)
+        return found[scalar]
+
+    interpreter._get_np_dtype = get_np_dtype
 
 
 class _KeptPatches:
