@@ -8,7 +8,8 @@ export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
 # instead of ~940 s in one process (workers with torch's default threads oversubscribe the cores
 # and ran slower than one process). TQSERVE_TEST_WORKERS=0 runs it in this process.
 # On a 2-core machine without AVX-512 (bf16 linear on F.linear): 1,642 s (877 passed) at the forty-fifth
-# session's start, 1,332 s (885 passed) after the faster reference codec and the cached interpreter walk.
+# session's start, 1,332 s (885 passed) after the faster reference codec and the cached interpreter walk, 1,118 s
+# (885 passed, forty-sixth session) with the launch's language patches reused and numpy dtypes cached.
 workers=${TQSERVE_TEST_WORKERS:-2}
 par=()
 if [ "$workers" != 0 ] && python -c "import xdist" 2>/dev/null; then

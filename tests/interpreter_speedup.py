@@ -14,18 +14,16 @@ of `test_narrow_tail_loops`, after the cached walk). A nested call whose module 
 the launch patched now reuses the launch's patches; any other call patches as before.
 
 And `_get_np_dtype`, which every interpreted operation calls, builds its table of 18 numpy dtypes anew on
-each call; here each scalar type's answer is kept after its first call. Likewise every `tl.tensor` an
-operation makes derived its shape's `tl.tuple` type from constexprs made anew; here a shape's constexprs
-and tuple type are made once and each tensor gets its own tuple of them (the tensor's fields are the same)."""
+each call; here each scalar type's answer is kept after its first call."""
 
 from __future__ import annotations
 
 import inspect
-import math
 
 
 def install() -> bool:
-    """Swap in the cached walk where this Triton has the function it replaces; True if it did."""
+    """Swap in the cached walk where this Triton has the function it replaces, and the other shortcuts where
+    their internals are as expected (each checks its own); True if the walk went in."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
@@ -55,49 +53,7 @@ def install() -> bool:
     interpreter._patch_builtin = patch_builtin
     _reuse_launch_patches(interpreter, tl)
     _cache_np_dtypes(interpreter, tl)
-    _cache_tensor_shapes(tl)
     return True
-
-
-# the lines of `tl.tensor.__init__` (Triton 3.9) that `_cache_tensor_shapes` stands in for
-_TENSOR_INIT = (
-    "super().__init__()",
-    "self.handle = handle",
-    "self.shape = type.shape if type.is_block() else ()",
-    "self.numel = constexpr(math.prod(self.shape))",
-    "self.type = type",
-    "self.dtype = type.scalar",
-    "self.shape = tuple([constexpr(s) for s in self.shape])",
-)
-
-
-def _cache_tensor_shapes(tl) -> None:
-    """`tl.tensor(handle, type)` with each block shape's constexprs and `tl.tuple` type made once."""
-    core = tl.core
-    init = core.tensor.__init__
-    try:
-        body = [ln.split("#")[0].strip() for ln in inspect.getsource(init).splitlines()]
-    except (OSError, TypeError):
-        return
-    if _params(init) != ["self", "handle", "type"] or [ln for ln in body if ln.startswith(("self.", "super"))] != list(
-        _TENSOR_INIT
-    ):
-        return
-    made: dict[tuple, tuple] = {}  # block shape -> (numel, dims as constexprs, their tuple type)
-
-    def tensor_init(self, handle, type) -> None:
-        dims = type.shape if type.is_block() else ()
-        if dims not in made:
-            consts = [core.constexpr(n) for n in dims]
-            made[dims] = (core.constexpr(math.prod(dims)), consts, core._type_for_tuple_values(consts))
-        numel, consts, shape_type = made[dims]
-        self.handle = handle
-        self.numel = numel
-        self.type = type
-        self.dtype = type.scalar
-        self.shape = core.tuple(consts, shape_type)
-
-    core.tensor.__init__ = tensor_init
 
 
 def _cache_np_dtypes(interpreter, tl) -> None:

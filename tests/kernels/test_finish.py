@@ -120,15 +120,15 @@ def test_combine_splits_whole_rows(splits, w):
 def test_backend_warm_up_builds_tables(d, monkeypatch):
     """The Triton backend's warm-up compiles the combines and builds the query rotation's Hadamard tables at
     power-of-two head sizes (a table made during graph capture would be a capture error), and passes by
-    the others (d = 80: two Hadamard blocks, no table). Built for the backend's device as given ("cuda"),
-    they serve the launches, which name the device with its index (on the H200 the key held "cuda" and
-    every launch missed it: forty-sixth session)."""
+    the others (d = 80: two Hadamard blocks, no table). The launches ask for them by their tensors' device
+    (cuda:0) and get the warm-up's tables. (This test looked them up as "cuda" and so failed on the GPU until
+    the forty-sixth session; the table's key now names the device with its index whichever way it is spelt.)"""
     from tqserve.attention import rotate
     from tqserve.attention.reference import KVCacheStore
     from tqserve.attention.triton_backend import TritonAttentionBackend
     from tqserve.kvquant.presets import make_layer_format
 
-    dev = _device()  # "cuda" without an index, as the engine may be given it
+    dev = _device()  # "cuda", without an index
     monkeypatch.setattr(rotate, "_HADAMARD", {})
     fmt = make_layer_format("turboquant_4bit_nc", 0, 1, d, torch.bfloat16)
     backend = TritonAttentionBackend(KVCacheStore([fmt], 2, 16, 1, 1, dev))
